@@ -1,0 +1,1 @@
+"""Hydra configs shipped as package data (read with importlib.resources)."""

@@ -1,0 +1,1 @@
+"""Plain-PyTorch architectures, installed as physics_dp.models; they never import sharding code."""

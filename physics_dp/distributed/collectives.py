@@ -1,0 +1,195 @@
+"""Collectives over one mesh axis, with exact per-rank byte accounting.
+
+Every byte physics_dp sends goes through this module, so tests can assert that an op sends
+exactly what it must (a halo sends only its rows, a pointwise op sends nothing) by wrapping
+it in :func:`count_communication`.  Variable-size collectives are built on
+``all_to_all_single`` because gloo's ``all_gather`` refuses tensors of different sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+__all__ = [
+    "CommRecord",
+    "CommLog",
+    "count_communication",
+    "all_gather_along_dim",
+    "all_to_all_chunks",
+    "all_reduce",
+    "gather_sizes",
+    "broadcast",
+    "exchange_with_neighbours",
+]
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One collective issued by this rank: its kind and the payload bytes it sent to peers."""
+
+    kind: str
+    bytes_sent: int
+
+
+@dataclass
+class CommLog:
+    """The collectives issued inside a :func:`count_communication` block on this rank."""
+
+    records: list[CommRecord] = field(default_factory=list)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(r.bytes_sent for r in self.records)
+
+    @property
+    def calls(self) -> int:
+        return len(self.records)
+
+    def kinds(self) -> list[str]:
+        return [r.kind for r in self.records]
+
+
+_active_logs: list[CommLog] = []
+
+
+@contextlib.contextmanager
+def count_communication() -> Iterator[CommLog]:
+    """Record every physics_dp collective issued by this rank inside the block."""
+    log = CommLog()
+    _active_logs.append(log)
+    try:
+        yield log
+    finally:
+        _active_logs.remove(log)
+
+
+def _record(kind: str, nbytes: int) -> None:
+    for log in _active_logs:
+        log.records.append(CommRecord(kind, int(nbytes)))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _group_size(group: ProcessGroup) -> int:
+    return dist.get_world_size(group)
+
+
+def all_to_all_chunks(
+    send: Sequence[torch.Tensor],
+    recv_shapes: Sequence[Sequence[int]],
+    group: ProcessGroup,
+) -> list[torch.Tensor]:
+    """Send ``send[j]`` to group rank ``j``; receive a tensor of ``recv_shapes[j]`` from each.
+
+    Sizes may differ per peer (including zero).  The chunk kept for oneself is copied locally,
+    so the bytes recorded are only those that leave this rank.
+    """
+    me = dist.get_rank(group)
+    ref = next(t for t in send)
+    dtype, device = ref.dtype, ref.device
+    send_flat = [t.contiguous().reshape(-1) for t in send]
+    in_splits = [t.numel() for t in send_flat]
+    out_splits = [int(torch.Size(s).numel()) for s in recv_shapes]
+    send_buffer = torch.cat(send_flat) if send_flat else torch.empty(0, dtype=dtype, device=device)
+    recv_buffer = torch.empty(sum(out_splits), dtype=dtype, device=device)
+    _record("all_to_all", (sum(in_splits) - in_splits[me]) * ref.element_size())
+    dist.all_to_all_single(recv_buffer, send_buffer, out_splits, in_splits, group=group)
+    pieces = torch.split(recv_buffer, out_splits)
+    return [p.view(tuple(s)) for p, s in zip(pieces, recv_shapes)]
+
+
+def all_gather_along_dim(
+    local: torch.Tensor, sizes: Sequence[int], dim: int, group: ProcessGroup
+) -> torch.Tensor:
+    """Concatenate along ``dim`` the pieces of every group rank, whose extents are ``sizes``."""
+    world = _group_size(group)
+    if world == 1:
+        return local
+    moved = local.movedim(dim, 0).contiguous()
+    tail = tuple(moved.shape[1:])
+    pieces = all_to_all_chunks([moved] * world, [(n, *tail) for n in sizes], group)
+    return torch.cat(pieces, dim=0).movedim(0, dim).contiguous()
+
+
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.SUM,  # divided afterwards: AVG is not supported by every backend
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+
+
+def all_reduce(tensor: torch.Tensor, reduce_op: str, group: ProcessGroup) -> torch.Tensor:
+    """Out-of-place all-reduce with reduce op named as in ``Partial`` ("sum", "avg", "max", "min")."""
+    world = _group_size(group)
+    if reduce_op not in _REDUCE_OPS:
+        raise ValueError(f"unknown reduce op {reduce_op!r}; expected one of {sorted(_REDUCE_OPS)}")
+    out = tensor.contiguous().clone()
+    if world == 1:
+        return out
+    _record("all_reduce", _nbytes(out))
+    dist.all_reduce(out, op=_REDUCE_OPS[reduce_op], group=group)
+    if reduce_op == "avg":
+        out = out / world
+    return out
+
+
+def gather_sizes(values: Sequence[int], group: ProcessGroup) -> list[list[int]]:
+    """All-gather a short list of ints from every group rank (shape discovery)."""
+    world = _group_size(group)
+    mine = torch.tensor(list(values), dtype=torch.int64)
+    if world == 1:
+        return [mine.tolist()]
+    out = torch.empty(world * len(values), dtype=torch.int64)
+    _record("all_gather_sizes", _nbytes(mine) * (world - 1))
+    dist.all_gather_into_tensor(out, mine, group=group)
+    return out.view(world, len(values)).tolist()
+
+
+def broadcast(tensor: torch.Tensor, src_group_rank: int, group: ProcessGroup) -> torch.Tensor:
+    """Broadcast in place from the group rank ``src_group_rank``."""
+    if _group_size(group) == 1:
+        return tensor
+    if dist.get_rank(group) == src_group_rank:
+        _record("broadcast", _nbytes(tensor) * (_group_size(group) - 1))
+    dist.broadcast(tensor, group_src=src_group_rank, group=group)
+    return tensor
+
+
+def exchange_with_neighbours(
+    sends: dict[int, torch.Tensor],
+    recv_shapes: dict[int, Sequence[int]],
+    group: ProcessGroup,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> dict[int, torch.Tensor]:
+    """Point-to-point exchange keyed by group rank: send ``sends[peer]``, receive ``recv_shapes[peer]``.
+
+    Empty messages are skipped on both sides (both sides know the sizes), so a zero-width
+    halo costs nothing.
+    """
+    ops = []
+    received: dict[int, torch.Tensor] = {}
+    for peer, tensor in sends.items():
+        if tensor.numel():
+            payload = tensor.contiguous()
+            _record("p2p", _nbytes(payload))
+            ops.append(dist.P2POp(dist.isend, payload, group=group, group_peer=peer))
+    for peer, shape in recv_shapes.items():
+        buffer = torch.empty(tuple(shape), dtype=dtype, device=device)
+        received[peer] = buffer
+        if buffer.numel():
+            ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=peer))
+    if ops:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+    return received

@@ -1,0 +1,263 @@
+"""Differentiable conversions between plain tensors, ShardTensors and DTensors.
+
+Gradient convention: the gradient of a ShardTensor is the gradient of its *global* value,
+laid out as a ShardTensor.  A pending reduction (``Partial``) therefore receives a replicated
+gradient; only :func:`from_local` translates back to a rank's own contribution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from ..distributed import collectives
+from .placements import Partial, Placement, Replicate, Shard, normalize_placements
+from .redistribute import grad_target_spec, redistribute_local
+from .shard_tensor import ShardTensor
+from .spec import ShardTensorSpec, chunk_sizes
+
+__all__ = [
+    "spec_from_local",
+    "from_local_with_spec",
+    "to_local",
+    "full_tensor",
+    "redistribute",
+    "redistribute_to_spec",
+    "from_dtensor",
+    "to_dtensor",
+    "replicate_plain",
+    "distribute_tensor",
+]
+
+
+def _default_mesh() -> DeviceMesh:
+    from ..distributed import DistributedManager
+
+    mesh = DistributedManager().global_mesh
+    if mesh is None:
+        raise ValueError(
+            "no device_mesh given and no global mesh set: pass device_mesh= or call "
+            "DistributedManager().initialize_mesh(...) first"
+        )
+    return mesh
+
+
+def spec_from_local(
+    local: torch.Tensor,
+    mesh: DeviceMesh | None,
+    placements: Sequence[Placement] | None,
+    sharding_shapes: str | dict[int, Sequence[Sequence[int]]],
+    global_shape: Sequence[int] | None,
+) -> ShardTensorSpec:
+    """Work out the global spec of per-rank slabs (see ``ShardTensor.from_local``)."""
+    mesh = mesh if mesh is not None else _default_mesh()
+    placements = normalize_placements(
+        placements if placements is not None else [Replicate()] * mesh.ndim, local.ndim, mesh.ndim
+    )
+    shape = list(local.shape)
+    axis_sizes: list[tuple[int, ...] | None] = [None] * mesh.ndim
+    sharded = [(axis, p.dim) for axis, p in enumerate(placements) if type(p) is Shard]
+    if sharding_shapes == "infer":
+        for axis, dim in sharded:
+            shapes = collectives.gather_sizes(list(local.shape), mesh.get_group(axis))
+            for coordinate, other in enumerate(shapes):
+                mismatch = [d for d in range(local.ndim) if d != dim and other[d] != local.shape[d]]
+                if len(other) != local.ndim or mismatch:
+                    raise ValueError(
+                        f"from_local: local shapes differ outside the sharded dim {dim} along mesh axis "
+                        f"{axis}: this rank has {tuple(local.shape)}, coordinate {coordinate} has {tuple(other)}"
+                    )
+            axis_sizes[axis] = tuple(s[dim] for s in shapes)
+            shape[dim] = sum(axis_sizes[axis])
+    elif sharding_shapes == "chunk":
+        if global_shape is None:
+            raise ValueError('from_local(sharding_shapes="chunk") needs global_shape=')
+        shape = list(global_shape)
+    elif isinstance(sharding_shapes, dict):
+        for axis, dim in sharded:
+            if axis not in sharding_shapes:
+                raise ValueError(f"sharding_shapes has no entry for sharded mesh axis {axis}")
+            axis_sizes[axis] = tuple(int(s[dim]) for s in sharding_shapes[axis])
+            shape[dim] = sum(axis_sizes[axis])
+    else:
+        raise ValueError(f'sharding_shapes must be "infer", "chunk" or a dict, got {sharding_shapes!r}')
+    if global_shape is not None and tuple(global_shape) != tuple(shape):
+        raise ValueError(f"global_shape {tuple(global_shape)} disagrees with the slabs, which give {tuple(shape)}")
+    spec = ShardTensorSpec(mesh, placements, shape, axis_sizes)
+    if spec.local_shape() != local.shape:
+        raise ValueError(
+            f"this rank's slab has shape {tuple(local.shape)} but the spec {spec} expects {tuple(spec.local_shape())}"
+        )
+    return spec
+
+
+def _needs_autograd(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _local_contribution_grad(grad: torch.Tensor, spec: ShardTensorSpec) -> torch.Tensor:
+    """A rank's slab gradient from the global-value gradient."""
+    if not isinstance(grad, ShardTensor):
+        raise TypeError(f"expected a ShardTensor gradient, got {type(grad).__name__}")
+    local = redistribute_to_spec(grad, grad_target_spec(spec)).to_local()
+    for axis, placement in enumerate(spec.placements):
+        if type(placement) is Partial:
+            if placement.reduce_op == "avg":
+                local = local / spec.mesh.size(axis)
+            elif placement.reduce_op != "sum":
+                raise NotImplementedError(
+                    f"gradient through from_local with Partial({placement.reduce_op!r}) is not defined; "
+                    "reduce the tensor (redistribute to Replicate) before differentiating"
+                )
+    return local
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:  # type: ignore[override]
+        ctx.spec = spec
+        return ShardTensor(local, spec)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return _local_contribution_grad(grad, ctx.spec), None
+
+
+def from_local_with_spec(local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
+    local = local.contiguous()  # the spec describes a contiguous global layout
+    if _needs_autograd(local):
+        return _FromLocal.apply(local, spec)
+    return ShardTensor(local, spec)
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: ShardTensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.spec = tensor._spec
+        return tensor._local_tensor.view_as(tensor._local_tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return ShardTensor(grad.contiguous(), ctx.spec.replace())
+
+
+def to_local(tensor: ShardTensor) -> torch.Tensor:
+    if _needs_autograd(tensor):
+        return _ToLocal.apply(tensor)
+    return tensor._local_tensor
+
+
+def full_tensor(tensor: ShardTensor) -> torch.Tensor:
+    spec = tensor._spec
+    replicated = ShardTensorSpec(spec.mesh, [Replicate()] * spec.mesh.ndim, spec.shape)
+    return to_local(redistribute_to_spec(tensor, replicated))
+
+
+class _Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: ShardTensor, dst: ShardTensorSpec) -> ShardTensor:  # type: ignore[override]
+        ctx.src = tensor._spec
+        return ShardTensor(redistribute_local(tensor._local_tensor, tensor._spec, dst), dst)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return redistribute_to_spec(grad, grad_target_spec(ctx.src)), None
+
+
+def redistribute_to_spec(tensor: ShardTensor, dst: ShardTensorSpec) -> ShardTensor:
+    """Differentiable move of ``tensor`` to exactly ``dst`` (placements and sizes)."""
+    if tensor._spec == dst:
+        return tensor
+    if _needs_autograd(tensor):
+        return _Redistribute.apply(tensor, dst)
+    return ShardTensor(redistribute_local(tensor._local_tensor, tensor._spec, dst), dst)
+
+
+def redistribute(
+    tensor: ShardTensor,
+    mesh: DeviceMesh | None,
+    placements: Sequence[Placement] | None,
+    sharding_sizes: dict[int, Sequence[int]] | None = None,
+) -> ShardTensor:
+    spec = tensor._spec
+    if mesh is not None and mesh is not spec.mesh and mesh != spec.mesh:
+        raise ValueError("redistribute to a different device mesh is not supported")
+    placements = normalize_placements(placements if placements is not None else spec.placements, spec.ndim, spec.mesh.ndim)
+    axis_sizes: list[tuple[int, ...] | None] = []
+    for axis, placement in enumerate(placements):
+        if sharding_sizes is not None and axis in sharding_sizes:
+            axis_sizes.append(tuple(sharding_sizes[axis]))
+        elif type(placement) is Shard and placement == spec.placements[axis]:
+            axis_sizes.append(spec.axis_sizes[axis])  # keep an existing split
+        else:
+            axis_sizes.append(None)  # balanced default
+    return redistribute_to_spec(tensor, ShardTensorSpec(spec.mesh, placements, spec.shape, axis_sizes))
+
+
+def from_dtensor(dtensor: DTensor) -> ShardTensor:
+    """Adopt a DTensor: its implicit ``torch.chunk`` split becomes explicit sizes."""
+    mesh = dtensor.device_mesh
+    placements = normalize_placements(dtensor.placements, dtensor.ndim, mesh.ndim)
+    axis_sizes = [
+        chunk_sizes(dtensor.shape[p.dim], mesh.size(axis)) if type(p) is Shard else None
+        for axis, p in enumerate(placements)
+    ]
+    spec = ShardTensorSpec(mesh, placements, dtensor.shape, axis_sizes)
+    return from_local_with_spec(dtensor.to_local(), spec)
+
+
+def to_dtensor(tensor: ShardTensor) -> DTensor:
+    """Hand a ShardTensor to DTensor, first moving uneven splits to the chunk layout DTensor assumes."""
+    spec = tensor._spec
+    if not spec.is_chunk_layout():
+        chunked = [
+            chunk_sizes(spec.shape[spec.shard_dim(axis)], spec.mesh.size(axis)) if sizes is not None else None
+            for axis, sizes in enumerate(spec.axis_sizes)
+        ]
+        tensor = redistribute_to_spec(tensor, spec.replace(axis_sizes=chunked))
+    return DTensor.from_local(
+        to_local(tensor), spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride
+    )
+
+
+class _ReplicatePlain(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, plain: torch.Tensor, mesh: DeviceMesh) -> ShardTensor:  # type: ignore[override]
+        spec = ShardTensorSpec(mesh, [Replicate()] * mesh.ndim, plain.shape)
+        ctx.spec = spec
+        return ShardTensor(plain, spec)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        if isinstance(grad, ShardTensor):
+            grad = redistribute_to_spec(grad, ctx.spec).to_local()
+        return grad, None
+
+
+def replicate_plain(plain: torch.Tensor, mesh: DeviceMesh) -> ShardTensor:
+    """Treat a plain tensor as replicated on ``mesh``; its gradient is reduced over the mesh once."""
+    if _needs_autograd(plain):
+        return _ReplicatePlain.apply(plain, mesh)
+    return ShardTensor(plain, ShardTensorSpec(mesh, [Replicate()] * mesh.ndim, plain.shape))
+
+
+def distribute_tensor(
+    tensor: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    sharding_sizes: dict[int, Sequence[int]] | None = None,
+) -> ShardTensor:
+    """Split a tensor that every rank already holds; each keeps its slab, nothing is sent.
+
+    Differentiable: the plain tensor's gradient is the gathered global gradient.
+    """
+    placements = normalize_placements(placements, tensor.ndim, mesh.ndim)
+    axis_sizes = [
+        tuple(sharding_sizes[axis]) if sharding_sizes is not None and axis in sharding_sizes else None
+        for axis in range(mesh.ndim)
+    ]
+    spec = ShardTensorSpec(mesh, placements, tensor.shape, axis_sizes)
+    return redistribute_to_spec(replicate_plain(tensor, mesh), spec)

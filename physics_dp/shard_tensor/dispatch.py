@@ -1,0 +1,236 @@
+"""Op interception for ShardTensor: registries, the pointwise fast paths, and the fallback hand-off.
+
+Order of decisions, cheapest first:
+
+1. ``__torch_function__``: a registered function handler (halo convolution, normalization,
+   ...), else a pointwise torch function whose ShardTensor inputs share one spec and need no
+   autograd runs on the slabs directly, before the dispatcher (the cost that decides whether
+   small ops are cheaper than on DTensor).  Plain tensors that require grad and meet a
+   ShardTensor are made replicated ShardTensors, so their gradient is reduced over the mesh
+   exactly once.
+2. ``__torch_dispatch__`` (below autograd): a registered aten handler, else a pointwise aten op
+   on equal specs runs locally, else the sharding-propagation fallback in ``fallback.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .spec import contiguous_strides
+
+__all__ = [
+    "FunctionHandler",
+    "DispatchHandler",
+    "register_function_handler",
+    "register_dispatch_handler",
+    "torch_function",
+    "torch_dispatch",
+    "bind_shard_tensor_class",
+    "POINTWISE_FUNCTIONS",
+]
+
+FunctionHandler = Callable[[Any, tuple, tuple, dict], Any]
+DispatchHandler = Callable[[torch._ops.OpOverload, tuple, dict], Any]
+
+_function_handlers: dict[Any, FunctionHandler] = {}
+_dispatch_handlers: dict[torch._ops.OpOverload, DispatchHandler] = {}
+_ShardTensor: type | None = None
+
+
+def bind_shard_tensor_class(cls: type) -> None:
+    global _ShardTensor
+    _ShardTensor = cls
+
+
+def register_function_handler(func: Any, handler: FunctionHandler) -> None:
+    _function_handlers[func] = handler
+
+
+def register_dispatch_handler(op: torch._ops.OpOverload, handler: DispatchHandler) -> None:
+    _dispatch_handlers[op] = handler
+
+
+# ----- pointwise torch functions (the fast path before the dispatcher) ----------------------
+_UNARY = (
+    "abs neg exp exp2 expm1 log log1p log2 log10 sqrt rsqrt sin cos tan asin acos atan sinh cosh tanh "
+    "asinh acosh atanh sigmoid relu erf erfc erfinv floor ceil round trunc frac sign sgn reciprocal "
+    "square clamp clip clamp_min clamp_max nan_to_num logical_not bitwise_not lgamma digamma"
+).split()
+_BINARY = (
+    "add sub mul div true_divide pow maximum minimum fmod remainder atan2 hypot logical_and logical_or "
+    "logical_xor bitwise_and bitwise_or bitwise_xor copysign floor_divide xlogy lerp addcmul addcdiv"
+).split()
+_PREDICATES = "eq ne lt le gt ge isnan isinf isfinite signbit".split()
+_DUNDERS = (
+    "__add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ __pow__ __rpow__ "
+    "__neg__ __abs__ __eq__ __ne__ __lt__ __le__ __gt__ __ge__ __and__ __or__ __xor__ __invert__ "
+    "__mod__ __floordiv__ __rfloordiv__"
+).split()
+_INPLACE_DUNDERS = "__iadd__ __isub__ __imul__ __itruediv__ __ipow__ __iand__ __ior__ __ixor__".split()
+_ACTIVATIONS = (
+    "relu relu6 gelu silu sigmoid tanh elu leaky_relu softplus mish hardtanh hardswish hardsigmoid "
+    "celu selu logsigmoid softsign tanhshrink threshold"
+).split()
+
+
+def _collect_pointwise() -> tuple[frozenset, frozenset]:
+    functional, inplace = set(), set()
+    for name in _UNARY + _BINARY + _PREDICATES:
+        for owner in (torch, torch.Tensor, torch.special):
+            if hasattr(owner, name):
+                functional.add(getattr(owner, name))
+        if hasattr(torch.Tensor, name + "_"):
+            inplace.add(getattr(torch.Tensor, name + "_"))
+    functional.update(getattr(torch.Tensor, name) for name in _DUNDERS)
+    inplace.update(getattr(torch.Tensor, name) for name in _INPLACE_DUNDERS)
+    functional.update(getattr(F, name) for name in _ACTIVATIONS)
+    return frozenset(functional), frozenset(inplace)
+
+
+POINTWISE_FUNCTIONS, _INPLACE_POINTWISE_FUNCTIONS = _collect_pointwise()
+_ALL_POINTWISE_FUNCTIONS = POINTWISE_FUNCTIONS | _INPLACE_POINTWISE_FUNCTIONS
+
+
+def _pointwise_function_fast_path(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Run on the slabs when every ShardTensor shares one non-Partial spec and no grad is needed."""
+    cls = _ShardTensor
+    spec = None
+    grad_mode = torch.is_grad_enabled()
+    local_args = []
+    for arg in args:
+        if isinstance(arg, cls):
+            if spec is None:
+                spec = arg._spec
+            elif arg._spec is not spec and arg._spec != spec:
+                return NotImplemented
+            if grad_mode and arg.requires_grad:
+                return NotImplemented
+            local_args.append(arg._local_tensor)
+        elif isinstance(arg, torch.Tensor):
+            if arg.ndim or (grad_mode and arg.requires_grad):
+                return NotImplemented
+            local_args.append(arg)
+        else:
+            local_args.append(arg)
+    if spec is None or spec.has_partial:
+        return NotImplemented
+    for value in kwargs.values():
+        if isinstance(value, torch.Tensor):
+            return NotImplemented
+    result = func(*local_args, **kwargs)
+    if func in _INPLACE_POINTWISE_FUNCTIONS or kwargs.get("inplace"):
+        return args[0]
+    return cls(result, spec)
+
+
+def _replicate_plain_grad_tensors(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Wrap plain tensors requiring grad as replicated ShardTensors on the first ShardTensor's mesh."""
+    cls = _ShardTensor
+    mesh = None
+    needs_wrap = False
+    for value in (*args, *kwargs.values()):
+        items = value if isinstance(value, (list, tuple)) else (value,)
+        for item in items:
+            if isinstance(item, cls):
+                mesh = mesh or item._spec.mesh
+            elif isinstance(item, torch.Tensor) and item.requires_grad:
+                needs_wrap = True
+    if mesh is None or not needs_wrap:
+        return args, kwargs
+    from .conversions import replicate_plain
+
+    def wrap(value: Any) -> Any:
+        if isinstance(value, (list, tuple)):
+            return type(value)(wrap(v) for v in value)
+        if isinstance(value, torch.Tensor) and not isinstance(value, cls) and value.requires_grad:
+            return replicate_plain(value, mesh)
+        return value
+
+    return tuple(wrap(a) for a in args), {k: wrap(v) for k, v in kwargs.items()}
+
+
+def torch_function(cls: type, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+    if kwargs is None:
+        kwargs = {}
+    handler = _function_handlers.get(func)
+    if handler is not None:
+        return handler(func, types, args, kwargs)
+    if func in _ALL_POINTWISE_FUNCTIONS:
+        result = _pointwise_function_fast_path(func, args, kwargs)
+        if result is not NotImplemented:
+            return result
+    if torch.is_grad_enabled():
+        args, kwargs = _replicate_plain_grad_tensors(args, kwargs)
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+# ----- aten level ---------------------------------------------------------------------------
+_NOT_POINTWISE, _POINTWISE, _POINTWISE_INPLACE = 0, 1, 2
+_aten_kind: dict[torch._ops.OpOverload, int] = {}
+
+
+def _classify(op: torch._ops.OpOverload) -> int:
+    kind = _aten_kind.get(op)
+    if kind is None:
+        schema = op._schema
+        if torch.Tag.pointwise not in op.tags or any(a.is_out for a in schema.arguments):
+            kind = _NOT_POINTWISE
+        elif schema.arguments and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write:
+            kind = _POINTWISE_INPLACE
+        else:
+            kind = _POINTWISE
+        _aten_kind[op] = kind
+    return kind
+
+
+def _pointwise_aten_local(op: torch._ops.OpOverload, args: tuple, kwargs: dict, kind: int) -> Any:
+    cls = _ShardTensor
+    spec = None
+    local_args = []
+    for arg in args:
+        if isinstance(arg, cls):
+            if spec is None:
+                spec = arg._spec
+            elif arg._spec is not spec and arg._spec != spec:
+                return NotImplemented
+            local_args.append(arg._local_tensor)
+        elif isinstance(arg, torch.Tensor) and arg.ndim:
+            return NotImplemented
+        else:
+            local_args.append(arg)
+    if spec is None or spec.has_partial:
+        return NotImplemented
+    for value in kwargs.values():
+        if isinstance(value, torch.Tensor):
+            return NotImplemented
+    result = op(*local_args, **kwargs)
+    if kind == _POINTWISE_INPLACE:
+        return args[0]
+    if kwargs.get("memory_format") is torch.contiguous_format and spec.stride != contiguous_strides(spec.shape):
+        # Layout is decided from global information only: a slab's own strides differ between
+        # ranks where its extents are 0 or 1, and specs must agree on every rank.
+        spec = spec.replace()
+    if isinstance(result, tuple):
+        return tuple(cls(r, spec) for r in result)
+    return cls(result, spec)
+
+
+def torch_dispatch(cls: type, op: torch._ops.OpOverload, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+    if kwargs is None:
+        kwargs = {}
+    handler = _dispatch_handlers.get(op)
+    if handler is not None:
+        return handler(op, args, kwargs)
+    kind = _classify(op)
+    if kind != _NOT_POINTWISE:
+        result = _pointwise_aten_local(op, args, kwargs, kind)
+        if result is not NotImplemented:
+            return result
+    from .fallback import propagate_and_run
+
+    return propagate_and_run(op, args, kwargs)

@@ -1,0 +1,212 @@
+"""The fallback for aten ops without a physics_dp handler: DTensor's rules, our data movement.
+
+DTensor's sharding propagator says which placements an op needs and yields; we then
+redistribute with explicit sizes, run the op on the slabs, and size the outputs by carrying
+the split of the matching input through (a sharded dim of the same extent on the same mesh
+axis keeps its split).  Only when no input carries a sharded dim of the output's extent are
+the output sizes gathered.  Every output's local shape is checked against its spec, so a rule
+that does not fit an uneven split fails loudly instead of mislabelling data.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from ..distributed import collectives
+from . import _dtensor_private as private
+from .placements import Partial, Replicate, Shard
+from .redistribute import redistribute_local
+from .shard_tensor import ShardTensor
+from .spec import ShardTensorSpec, balanced_sizes, chunk_sizes
+
+__all__ = ["propagate_and_run", "ShardingRuleError"]
+
+
+class ShardingRuleError(NotImplementedError):
+    """An op has no sharding rule for the given placements."""
+
+
+def _describe(tensors: list[ShardTensor]) -> str:
+    return ", ".join(f"{tuple(t.shape)} {list(t._spec.placements)}" for t in tensors)
+
+
+def _as_shard_tensor(value: Any, mesh) -> ShardTensor | None:
+    if isinstance(value, ShardTensor):
+        return value
+    if isinstance(value, torch.Tensor):
+        # Plain tensors meeting a ShardTensor below autograd are replicated values (scalars, masks).
+        return ShardTensor(value, ShardTensorSpec(mesh, [Replicate()] * mesh.ndim, value.shape))
+    return None
+
+
+def _is_inplace(op: torch._ops.OpOverload) -> bool:
+    arguments = op._schema.arguments
+    return bool(arguments) and arguments[0].alias_info is not None and arguments[0].alias_info.is_write
+
+
+def _target_specs(inputs: list[ShardTensor], targets: list, chunk_layout: bool) -> list[ShardTensorSpec]:
+    """Our specs for DTensor's target placements, with one split per (mesh axis, extent).
+
+    Inputs sharded on the same axis over dims of equal extent must share their split, or a
+    broadcasting op would pair unrelated rows; the first input already sharded that way sets
+    it.  Ops whose arguments DTensor rewrites into local shapes get the ``torch.chunk`` split
+    that rewrite assumes.
+    """
+    canonical: dict[tuple[int, int], tuple[int, ...]] = {}
+    if not chunk_layout:
+        for tensor, target in zip(inputs, targets):
+            for axis, placement in enumerate(target):
+                if type(placement) is Shard and tensor._spec.placements[axis] == placement:
+                    key = (axis, tensor.shape[placement.dim])
+                    canonical.setdefault(key, tensor._spec.axis_sizes[axis])
+    specs = []
+    for tensor, target in zip(inputs, targets):
+        mesh = tensor._spec.mesh
+        if not chunk_layout and tuple(target) == tensor._spec.placements and all(
+            type(p) is not Shard or canonical.get((axis, tensor.shape[p.dim])) == tensor._spec.axis_sizes[axis]
+            for axis, p in enumerate(target)
+        ):
+            specs.append(tensor._spec)  # already in place: keep it, memory layout included
+            continue
+        sizes: list[tuple[int, ...] | None] = []
+        for axis, placement in enumerate(target):
+            if type(placement) is Shard:
+                extent = tensor.shape[placement.dim]
+                if chunk_layout:
+                    sizes.append(chunk_sizes(extent, mesh.size(axis)))
+                else:
+                    sizes.append(canonical.setdefault((axis, extent), balanced_sizes(extent, mesh.size(axis))))
+            else:
+                sizes.append(None)
+        specs.append(ShardTensorSpec(mesh, target, tensor.shape, sizes))
+    return specs
+
+
+def _output_spec(local: torch.Tensor, dspec: Any, canonical: dict, op, inputs) -> ShardTensorSpec:
+    mesh = dspec.mesh
+    placements = tuple(dspec.placements)
+    if any(type(p) not in (Shard, Replicate, Partial) for p in placements):
+        raise ShardingRuleError(
+            f"{op}: DTensor's rule yields placements {placements} on inputs {_describe(inputs)}, which "
+            "physics_dp cannot represent; redistribute the inputs (e.g. to Replicate) before this op"
+        )
+    if dspec.tensor_meta is None:
+        raise ShardingRuleError(f"{op}: DTensor's rule gives no output shape for inputs {_describe(inputs)}")
+    shape = dspec.tensor_meta.shape
+    sizes: list[tuple[int, ...] | None] = []
+    for axis, placement in enumerate(placements):
+        if type(placement) is Shard:
+            extent = shape[placement.dim]
+            carried = canonical.get((axis, extent))
+            if carried is None:
+                gathered = collectives.gather_sizes([local.shape[placement.dim]], mesh.get_group(axis))
+                carried = tuple(g[0] for g in gathered)
+            sizes.append(carried)
+        else:
+            if type(placement) is Partial and placement.reduce_op == "avg":
+                uneven = [
+                    t for t in inputs if t._spec.axis_sizes[axis] is not None and len(set(t._spec.axis_sizes[axis])) > 1
+                ]
+                if uneven:
+                    raise ShardingRuleError(
+                        f"{op}: an average over the uneven split of mesh axis {axis} ({_describe(uneven)}) would "
+                        "weight shards wrongly; reduce with sum and divide by the true count"
+                    )
+            sizes.append(None)
+    # DTensor's stride comes from the global shape alone, so every rank builds the same spec
+    # (a slab's own strides differ between ranks where its extents are 0 or 1).
+    spec = ShardTensorSpec(mesh, placements, shape, sizes, dspec.tensor_meta.stride)
+    if spec.local_shape() != local.shape:
+        raise RuntimeError(
+            f"{op}: the local result has shape {tuple(local.shape)} but its spec {spec} expects "
+            f"{tuple(spec.local_shape())} (inputs {_describe(inputs)}); this op needs a physics_dp handler"
+        )
+    return spec
+
+
+def propagate_and_run(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    flat_args, args_tree = pytree.tree_flatten(args)
+    mesh = next(
+        (v._spec.mesh for v in (*flat_args, *kwargs.values()) if isinstance(v, ShardTensor)),
+        None,
+    )
+    inputs: list[ShardTensor] = []
+    schema_leaves: list[Any] = []
+    for leaf in flat_args:
+        tensor = _as_shard_tensor(leaf, mesh)
+        if tensor is None:
+            schema_leaves.append(leaf)
+            continue
+        inputs.append(tensor)
+        schema_leaves.append(_dtensor_spec(tensor))
+    kwargs_schema = {}
+    local_kwargs = {}
+    for key, value in kwargs.items():
+        tensor = _as_shard_tensor(value, mesh)
+        kwargs_schema[key] = value if tensor is None else _dtensor_spec(tensor)
+        local_kwargs[key] = value if tensor is None else tensor._local_tensor
+    try:
+        sharding = private.propagate(op, pytree.tree_unflatten(schema_leaves, args_tree), kwargs_schema)
+    except NotImplementedError as error:
+        if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), torch._C.DispatchKey.CompositeImplicitAutograd):
+            return op.decompose(*args, **kwargs)
+        raise ShardingRuleError(f"{op} has no sharding rule for inputs {_describe(inputs)}: {error}") from error
+    except Exception as error:  # DTensor reports missing strategies in several exception types
+        raise ShardingRuleError(f"{op} has no sharding rule for inputs {_describe(inputs)}: {error}") from error
+
+    use_suggested_values = sharding.needs_redistribute and sharding.use_val_from_redistribute_schema
+    if sharding.needs_redistribute:
+        suggested = sharding.redistribute_schema
+        targets = [tuple(s.placements) for s in pytree.tree_leaves(suggested.args_schema) if isinstance(s, private.DTensorSpec)]
+    else:
+        suggested = None
+        targets = [t._spec.placements for t in inputs]
+    specs = _target_specs(inputs, targets, chunk_layout=use_suggested_values)
+    if _is_inplace(op) and inputs and specs[0] != inputs[0]._spec:
+        raise ShardingRuleError(
+            f"in-place {op} would need its destination redistributed ({_describe(inputs[:1])} -> "
+            f"{list(specs[0].placements)}); use the out-of-place op"
+        )
+    locals_ = [redistribute_local(t._local_tensor, t._spec, s) for t, s in zip(inputs, specs)]
+
+    call = op
+    local_iter = iter(locals_)
+    if use_suggested_values:
+        call = suggested.op
+        local_args = pytree.tree_map(
+            lambda leaf: next(local_iter) if isinstance(leaf, private.DTensorSpec) else leaf, suggested.args_schema
+        )
+    else:
+        local_args = pytree.tree_unflatten(
+            [next(local_iter) if isinstance(leaf, torch.Tensor) else leaf for leaf in flat_args], args_tree
+        )
+    result = call(*local_args, **local_kwargs)
+    if _is_inplace(op):
+        return args[0]
+
+    canonical: dict[tuple[int, int], tuple[int, ...]] = {}
+    for spec in specs:
+        for axis, sizes in enumerate(spec.axis_sizes):
+            if sizes is not None:
+                canonical.setdefault((axis, spec.shape[spec.shard_dim(axis)]), sizes)
+    return _wrap_outputs(result, sharding.output_spec, canonical, op, inputs)
+
+
+def _dtensor_spec(tensor: ShardTensor) -> Any:
+    spec = tensor._spec
+    return private.make_spec(spec.mesh, spec.placements, spec.shape, spec.stride, tensor.dtype)
+
+
+def _wrap_outputs(result: Any, output_spec: Any, canonical: dict, op, inputs) -> Any:
+    if output_spec is None:
+        return result
+    if isinstance(result, torch.Tensor):
+        return ShardTensor(result, _output_spec(result, output_spec, canonical, op, inputs))
+    if isinstance(result, (list, tuple)):
+        specs = output_spec if isinstance(output_spec, (list, tuple)) else [output_spec] * len(result)
+        wrapped = [_wrap_outputs(r, s, canonical, op, inputs) for r, s in zip(result, specs)]
+        return type(result)(wrapped)
+    return result

@@ -1,0 +1,192 @@
+"""Moving a local slab from one spec to another: the plan and the collectives that run it.
+
+Each mesh axis changes independently (different axes shard different tensor dims), so a
+redistribution is a sequence of single-axis steps.  A step that would shard a dim still
+sharded by another axis waits until that axis has moved; if every pending step waits, one
+axis is replicated first.  Sizes are explicit throughout, so uneven and empty shards need no
+padding and never fall back to the ``torch.chunk`` layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..distributed import collectives
+from .placements import Partial, Placement, Replicate, Shard, partial_op
+from .spec import ShardTensorSpec
+
+__all__ = ["redistribute_local", "grad_target_spec"]
+
+
+def _offsets(sizes: Sequence[int]) -> list[int]:
+    out, running = [], 0
+    for s in sizes:
+        out.append(running)
+        running += s
+    return out
+
+
+def _shard_to_replicate(local: torch.Tensor, dim: int, sizes: Sequence[int], group) -> torch.Tensor:
+    return collectives.all_gather_along_dim(local, sizes, dim, group)
+
+
+def _replicate_to_shard(local: torch.Tensor, dim: int, sizes: Sequence[int], coord: int) -> torch.Tensor:
+    return local.narrow(dim, _offsets(sizes)[coord], sizes[coord]).contiguous()
+
+
+def _reshard_same_dim(
+    local: torch.Tensor, dim: int, src: Sequence[int], dst: Sequence[int], coord: int, group
+) -> torch.Tensor:
+    """Move rows of one dim between ranks so that the split changes from ``src`` to ``dst``."""
+    src_off, dst_off = _offsets(src), _offsets(dst)
+    my_start, my_end = src_off[coord], src_off[coord] + src[coord]
+    sends, recv_shapes = [], []
+    for peer in range(len(src)):
+        start = max(my_start, dst_off[peer])
+        end = min(my_end, dst_off[peer] + dst[peer])
+        sends.append(local.narrow(dim, start - my_start, max(0, end - start)) if end > start else local.narrow(dim, 0, 0))
+        recv_start = max(src_off[peer], dst_off[coord])
+        recv_end = min(src_off[peer] + src[peer], dst_off[coord] + dst[coord])
+        shape = list(local.shape)
+        shape[dim] = max(0, recv_end - recv_start)
+        recv_shapes.append(shape)
+    return torch.cat(collectives.all_to_all_chunks(sends, recv_shapes, group), dim=dim)
+
+
+def _reshard_other_dim(
+    local: torch.Tensor,
+    src_dim: int,
+    src: Sequence[int],
+    dst_dim: int,
+    dst: Sequence[int],
+    coord: int,
+    group,
+) -> torch.Tensor:
+    """Shard(src_dim) -> Shard(dst_dim) in one all-to-all: split along dst_dim, join along src_dim."""
+    dst_off = _offsets(dst)
+    sends = [local.narrow(dst_dim, dst_off[p], dst[p]) for p in range(len(dst))]
+    recv_shapes = []
+    for peer in range(len(src)):
+        shape = list(local.shape)
+        shape[src_dim] = src[peer]
+        shape[dst_dim] = dst[coord]
+        recv_shapes.append(shape)
+    return torch.cat(collectives.all_to_all_chunks(sends, recv_shapes, group), dim=src_dim)
+
+
+def _reduce_pieces(pieces: list[torch.Tensor], op: str) -> torch.Tensor:
+    stacked = torch.stack(pieces)
+    if op == "sum":
+        return stacked.sum(0)
+    if op == "avg":
+        return stacked.mean(0)
+    if op == "max":
+        return stacked.amax(0)
+    return stacked.amin(0)
+
+
+def _partial_to_shard(local: torch.Tensor, op: str, dim: int, dst: Sequence[int], coord: int, group) -> torch.Tensor:
+    """Reduce-scatter as one all-to-all plus a local reduction (exact for every reduce op)."""
+    dst_off = _offsets(dst)
+    sends = [local.narrow(dim, dst_off[p], dst[p]) for p in range(len(dst))]
+    shape = list(local.shape)
+    shape[dim] = dst[coord]
+    pieces = collectives.all_to_all_chunks(sends, [shape] * len(dst), group)
+    return _reduce_pieces(pieces, op).to(local.dtype)
+
+
+def _replicate_to_partial(local: torch.Tensor, op: str, coord: int) -> torch.Tensor:
+    if op == "sum" and coord != 0:
+        return torch.zeros_like(local, memory_format=torch.contiguous_format)
+    return local.contiguous()
+
+
+class _State:
+    """Placements and sizes of the slab as steps are applied."""
+
+    def __init__(self, spec: ShardTensorSpec) -> None:
+        self.placements: list[Placement] = list(spec.placements)
+        self.sizes: list[tuple[int, ...] | None] = list(spec.axis_sizes)
+
+    def dim_is_free(self, dim: int, axis: int) -> bool:
+        return all(
+            not (type(p) is Shard and p.dim == dim) for a, p in enumerate(self.placements) if a != axis  # type: ignore[attr-defined]
+        )
+
+
+def _step(local: torch.Tensor, state: _State, axis: int, target: Placement, target_sizes, spec) -> torch.Tensor:
+    """Apply one single-axis transition in place of ``state``; return the new local slab."""
+    mesh = spec.mesh
+    group = mesh.get_group(axis)
+    coord = spec.coordinate()[axis]
+    current = state.placements[axis]
+    sizes = state.sizes[axis]
+    if type(current) is Shard:
+        if type(target) is Shard:
+            if target.dim == current.dim:
+                local = _reshard_same_dim(local, current.dim, sizes, target_sizes, coord, group)
+            else:
+                local = _reshard_other_dim(local, current.dim, sizes, target.dim, target_sizes, coord, group)
+        else:
+            local = _shard_to_replicate(local, current.dim, sizes, group)
+            if type(target) is Partial:
+                local = _replicate_to_partial(local, partial_op(target), coord)
+    elif type(current) is Partial:
+        op = partial_op(current)
+        if type(target) is Shard:
+            local = _partial_to_shard(local, op, target.dim, target_sizes, coord, group)
+        else:
+            local = collectives.all_reduce(local, op, group)
+            if type(target) is Partial:
+                local = _replicate_to_partial(local, partial_op(target), coord)
+    else:  # Replicate
+        if type(target) is Shard:
+            local = _replicate_to_shard(local, target.dim, target_sizes, coord)
+        elif type(target) is Partial:
+            local = _replicate_to_partial(local, partial_op(target), coord)
+    state.placements[axis] = target
+    state.sizes[axis] = target_sizes
+    return local
+
+
+def redistribute_local(local: torch.Tensor, src: ShardTensorSpec, dst: ShardTensorSpec) -> torch.Tensor:
+    """The local slab of ``dst`` given the local slab of ``src`` (same mesh, same global shape)."""
+    if src.shape != dst.shape:
+        raise ValueError(f"cannot redistribute between different global shapes {tuple(src.shape)} and {tuple(dst.shape)}")
+    if src.mesh is not dst.mesh and src.mesh != dst.mesh:
+        raise ValueError("redistribute across different device meshes is not supported")
+    state = _State(src)
+    pending = [
+        axis
+        for axis in range(src.mesh.ndim)
+        if (src.placements[axis], src.axis_sizes[axis]) != (dst.placements[axis], dst.axis_sizes[axis])
+    ]
+    while pending:
+        ready = [
+            axis
+            for axis in pending
+            if type(dst.placements[axis]) is not Shard or state.dim_is_free(dst.placements[axis].dim, axis)  # type: ignore[attr-defined]
+        ]
+        if ready:
+            axis = ready[0]
+            local = _step(local, state, axis, dst.placements[axis], dst.axis_sizes[axis], src)
+            pending.remove(axis)
+        else:
+            # Every pending step wants a dim another pending axis still shards: unblock by replicating.
+            axis = next(a for a in pending if type(state.placements[a]) is Shard)
+            local = _step(local, state, axis, Replicate(), None, src)
+    return local.contiguous()
+
+
+def grad_target_spec(spec: ShardTensorSpec) -> ShardTensorSpec:
+    """The spec a gradient takes for an input of ``spec``: pending reductions become replicated.
+
+    The gradient of a ``Partial`` tensor is the gradient of its reduced value, which every
+    contributing rank needs in full.
+    """
+    if not spec.has_partial:
+        return spec
+    placements = [Replicate() if p.is_partial() else p for p in spec.placements]
+    return ShardTensorSpec(spec.mesh, placements, spec.shape, spec.axis_sizes)

@@ -1,0 +1,140 @@
+"""The ``ShardTensor`` class: a rank's slab of a global tensor, with a spec of the split.
+
+The wrapper is what autograd sees (``.shape``, ``.grad``, ``requires_grad`` are global and
+behave as on plain tensors); the slab underneath never requires grad.  Ops reach
+``__torch_function__`` first, where registered handlers and a lean pointwise path run before
+the dispatcher; everything else reaches ``__torch_dispatch__`` below autograd.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from . import dispatch
+from .placements import Placement
+from .spec import ShardTensorSpec
+
+__all__ = ["ShardTensor"]
+
+
+class ShardTensor(torch.Tensor):
+    """A ``torch.Tensor`` whose global value is split (possibly unevenly) over a device mesh."""
+
+    _local_tensor: torch.Tensor
+    _spec: ShardTensorSpec
+
+    __torch_function__ = classmethod(dispatch.torch_function)  # type: ignore[assignment]
+    __torch_dispatch__ = classmethod(dispatch.torch_dispatch)  # type: ignore[assignment]
+
+    @staticmethod
+    def __new__(cls, local_tensor: torch.Tensor, spec: ShardTensorSpec, *, requires_grad: bool = False) -> ShardTensor:
+        if local_tensor.requires_grad:
+            local_tensor = local_tensor.detach()
+        wrapper = torch.Tensor._make_wrapper_subclass(
+            cls,
+            spec.shape,
+            strides=spec.stride,
+            dtype=local_tensor.dtype,
+            device=local_tensor.device,
+            layout=local_tensor.layout,
+            requires_grad=requires_grad,
+        )
+        wrapper._local_tensor = local_tensor
+        wrapper._spec = spec
+        return wrapper
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return f"ShardTensor(local={self._local_tensor!r}, spec={self._spec!r}, requires_grad={self.requires_grad})"
+
+    def __reduce_ex__(self, protocol: int):  # type: ignore[override]
+        raise TypeError(
+            "a ShardTensor cannot be pickled (it lives on a device mesh); pickle .full_tensor() or .to_local() instead"
+        )
+
+    # ----- properties ----------------------------------------------------------------------
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return self._spec.placements
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._spec.mesh
+
+    def offsets(self) -> tuple[int, ...]:
+        """Global index of this rank's slab origin along every tensor dim."""
+        return self._spec.offsets()
+
+    # ----- construction --------------------------------------------------------------------
+    @staticmethod
+    def from_local(
+        local_tensor: torch.Tensor,
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
+        sharding_shapes: str | dict[int, Sequence[Sequence[int]]] = "infer",
+        global_shape: Sequence[int] | None = None,
+    ) -> ShardTensor:
+        """Wrap each rank's slab.  Differentiable: the slab's gradient is the matching slab.
+
+        ``sharding_shapes``: ``"infer"`` all-gathers the slab extents of every sharded axis;
+        ``"chunk"`` needs ``global_shape`` and assumes the default balanced split; a dict
+        ``{mesh_axis: [local shape per coordinate]}`` states the split outright.
+        """
+        from .conversions import from_local_with_spec, spec_from_local
+
+        spec = spec_from_local(local_tensor, device_mesh, placements, sharding_shapes, global_shape)
+        return from_local_with_spec(local_tensor, spec)
+
+    @staticmethod
+    def from_dtensor(dtensor: torch.distributed.tensor.DTensor) -> ShardTensor:
+        """Adopt a DTensor (its ``torch.chunk`` layout becomes explicit sizes).  Differentiable."""
+        from .conversions import from_dtensor
+
+        return from_dtensor(dtensor)
+
+    def to_local(self) -> torch.Tensor:
+        """This rank's slab as a plain tensor.  Differentiable."""
+        from .conversions import to_local
+
+        return to_local(self)
+
+    def full_tensor(self) -> torch.Tensor:
+        """The whole global tensor on every rank.  Differentiable (gradient taken as replicated)."""
+        from .conversions import full_tensor
+
+        return full_tensor(self)
+
+    def redistribute(
+        self,
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
+        *,
+        sharding_sizes: dict[int, Sequence[int]] | None = None,
+    ) -> ShardTensor:
+        """Change placements (and optionally the split sizes of sharded axes).  Differentiable."""
+        from .conversions import redistribute
+
+        return redistribute(self, device_mesh, placements, sharding_sizes)
+
+    def to_dtensor(self) -> torch.distributed.tensor.DTensor:
+        """This tensor as a DTensor; only for ``torch.chunk`` layouts, which DTensor understands."""
+        from .conversions import to_dtensor
+
+        return to_dtensor(self)
+
+    # ----- registries ----------------------------------------------------------------------
+    @staticmethod
+    def register_function_handler(func: Any, handler: dispatch.FunctionHandler) -> None:
+        """Route ``func`` (a torch function or method) to ``handler(func, types, args, kwargs)``."""
+        dispatch.register_function_handler(func, handler)
+
+    @staticmethod
+    def register_dispatch_handler(op: torch._ops.OpOverload, handler: dispatch.DispatchHandler) -> None:
+        """Route an aten overload to ``handler(op, args, kwargs)`` below autograd."""
+        dispatch.register_dispatch_handler(op, handler)
+
+
+dispatch.bind_shard_tensor_class(ShardTensor)

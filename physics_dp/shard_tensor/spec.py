@@ -1,0 +1,202 @@
+"""``ShardTensorSpec``: how a global tensor is split over a device mesh, uneven splits included.
+
+DTensor assumes the ``torch.chunk`` layout (6 rows on 4 ranks -> 2,2,2,0).  Grids in physics
+rarely divide evenly and users choose their own splits, so the spec records the extent of the
+sharded dim on every coordinate of each mesh axis, and every op carries those sizes through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from .placements import Placement, Shard, normalize_placements
+
+__all__ = ["ShardTensorSpec", "balanced_sizes", "chunk_sizes", "contiguous_strides"]
+
+
+def balanced_sizes(extent: int, parts: int) -> tuple[int, ...]:
+    """The default split: sizes differ by at most one, larger first (``torch.tensor_split``)."""
+    base, extra = divmod(extent, parts)
+    return tuple(base + (1 if i < extra else 0) for i in range(parts))
+
+
+def chunk_sizes(extent: int, parts: int) -> tuple[int, ...]:
+    """The ``torch.chunk`` split DTensor assumes (trailing ranks may be empty)."""
+    step = -(-extent // parts) if extent else 0
+    return tuple(max(0, min(step, extent - i * step)) for i in range(parts))
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides = []
+    running = 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+_coordinate_cache: dict[int, tuple[DeviceMesh, tuple[int, ...]]] = {}
+
+
+def mesh_coordinate(mesh: DeviceMesh) -> tuple[int, ...]:
+    """This rank's coordinate in ``mesh`` (cached: it is asked for on every op)."""
+    cached = _coordinate_cache.get(id(mesh))
+    if cached is not None and cached[0] is mesh:
+        return cached[1]
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise RuntimeError("this rank is not part of the device mesh the ShardTensor lives on")
+    _coordinate_cache[id(mesh)] = (mesh, tuple(coordinate))
+    return tuple(coordinate)
+
+
+class ShardTensorSpec:
+    """Mesh, placements, global shape, and the per-coordinate extents of each sharded dim.
+
+    ``axis_sizes[a]`` is, for a mesh axis ``a`` carrying ``Shard(d)``, the extent of dim ``d``
+    on each coordinate of that axis (``None`` for Replicate/Partial axes).  Specs are
+    immutable so ops may share them between inputs and outputs without copies.
+    """
+
+    __slots__ = ("mesh", "placements", "shape", "stride", "axis_sizes", "has_partial", "_local_shape", "_hash")
+
+    def __init__(
+        self,
+        mesh: DeviceMesh,
+        placements: Sequence[Placement],
+        shape: Sequence[int],
+        axis_sizes: Sequence[Sequence[int] | None] | None = None,
+        stride: Sequence[int] | None = None,
+    ) -> None:
+        self.mesh = mesh
+        self.shape = torch.Size(shape)
+        # The global stride mirrors the slab's memory layout (a permuted slab has a permuted
+        # stride), so composite ops choose view vs. reshape correctly for the slab.
+        self.stride = tuple(stride) if stride is not None else contiguous_strides(self.shape)
+        self.placements = normalize_placements(placements, len(self.shape), mesh.ndim)
+        given = list(axis_sizes) if axis_sizes is not None else [None] * mesh.ndim
+        if len(given) != mesh.ndim:
+            raise ValueError(f"axis_sizes has {len(given)} entries for a {mesh.ndim}-D mesh")
+        sizes: list[tuple[int, ...] | None] = []
+        for axis, placement in enumerate(self.placements):
+            if type(placement) is Shard:
+                extent = self.shape[placement.dim]
+                parts = mesh.size(axis)
+                axis_given = given[axis]
+                chosen = tuple(int(s) for s in axis_given) if axis_given is not None else balanced_sizes(extent, parts)
+                if len(chosen) != parts or sum(chosen) != extent or min(chosen) < 0:
+                    raise ValueError(
+                        f"sizes {chosen} along mesh axis {axis} do not split dim {placement.dim} of extent "
+                        f"{extent} over {parts} ranks: give {parts} non-negative sizes summing to {extent}"
+                    )
+                sizes.append(chosen)
+            else:
+                sizes.append(None)
+        self.axis_sizes: tuple[tuple[int, ...] | None, ...] = tuple(sizes)
+        self.has_partial = any(p.is_partial() for p in self.placements)
+        self._local_shape: torch.Size | None = None
+        self._hash: int | None = None
+
+    # ----- queries -----------------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def shard_dim(self, axis: int) -> int | None:
+        placement = self.placements[axis]
+        return placement.dim if type(placement) is Shard else None  # type: ignore[attr-defined]
+
+    def sharded_axes(self) -> list[int]:
+        return [a for a, p in enumerate(self.placements) if type(p) is Shard]
+
+    def coordinate(self) -> tuple[int, ...]:
+        return mesh_coordinate(self.mesh)
+
+    def local_shape(self, coordinate: Sequence[int] | None = None) -> torch.Size:
+        """The local slab's shape at ``coordinate`` (this rank's by default)."""
+        if coordinate is None:
+            if self._local_shape is None:
+                self._local_shape = self._shape_at(self.coordinate())
+            return self._local_shape
+        return self._shape_at(coordinate)
+
+    def _shape_at(self, coordinate: Sequence[int]) -> torch.Size:
+        shape = list(self.shape)
+        for axis, sizes in enumerate(self.axis_sizes):
+            if sizes is not None:
+                shape[self.placements[axis].dim] = sizes[coordinate[axis]]  # type: ignore[attr-defined]
+        return torch.Size(shape)
+
+    def offsets(self, coordinate: Sequence[int] | None = None) -> tuple[int, ...]:
+        """Global index of the local slab's first element along every tensor dim."""
+        coordinate = self.coordinate() if coordinate is None else coordinate
+        offsets = [0] * self.ndim
+        for axis, sizes in enumerate(self.axis_sizes):
+            if sizes is not None:
+                offsets[self.placements[axis].dim] = sum(sizes[: coordinate[axis]])  # type: ignore[attr-defined]
+        return tuple(offsets)
+
+    def sharding_shapes(self) -> dict[int, tuple[torch.Size, ...]]:
+        """For each sharded mesh axis, the local shapes of the ranks along it (this rank's group)."""
+        mine = list(self.coordinate())
+        result: dict[int, tuple[torch.Size, ...]] = {}
+        for axis in self.sharded_axes():
+            shapes = []
+            for c in range(self.mesh.size(axis)):
+                coordinate = list(mine)
+                coordinate[axis] = c
+                shapes.append(self._shape_at(coordinate))
+            result[axis] = tuple(shapes)
+        return result
+
+    def is_chunk_layout(self) -> bool:
+        """Whether every sharded dim uses DTensor's ``torch.chunk`` layout."""
+        return all(
+            sizes is None or sizes == chunk_sizes(sum(sizes), len(sizes)) for sizes in self.axis_sizes
+        )
+
+    # ----- derived specs -----------------------------------------------------------------
+    def replace(
+        self,
+        *,
+        placements: Sequence[Placement] | None = None,
+        shape: Sequence[int] | None = None,
+        axis_sizes: Sequence[Sequence[int] | None] | None = None,
+    ) -> ShardTensorSpec:
+        """A spec for a freshly laid out (contiguous) slab with some fields changed."""
+        return ShardTensorSpec(
+            self.mesh,
+            self.placements if placements is None else placements,
+            self.shape if shape is None else shape,
+            self.axis_sizes if axis_sizes is None and placements is None else axis_sizes,
+        )
+
+    # ----- identity ----------------------------------------------------------------------
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, ShardTensorSpec):
+            return NotImplemented
+        return (
+            self.shape == other.shape
+            and self.stride == other.stride
+            and self.placements == other.placements
+            and self.axis_sizes == other.axis_sizes
+            and (self.mesh is other.mesh or self.mesh == other.mesh)
+        )
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            self._hash = hash((id(self.mesh), self.placements, tuple(self.shape), self.stride, self.axis_sizes))
+        return self._hash
+
+    def __repr__(self) -> str:
+        names = self.mesh.mesh_dim_names or tuple(range(self.mesh.ndim))
+        axes = ", ".join(
+            f"{name}:{placement}" + (f"{list(sizes)}" if sizes is not None else "")
+            for name, placement, sizes in zip(names, self.placements, self.axis_sizes)
+        )
+        return f"ShardTensorSpec(shape={tuple(self.shape)}, {axes})"

@@ -1,0 +1,184 @@
+"""Gradients through every conversion, and autograd semantics of ShardTensor as a tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from physics_dp.distributed.collectives import count_communication
+from physics_dp.shard_tensor import Partial, Replicate, Shard, ShardTensor, distribute_tensor, scatter_tensor
+from physics_dp.testing import get_mesh, run_on_ranks
+
+from ._cases import MESHES, SHAPES, expected_local, global_tensor, placement_combos, world_of
+
+
+def _redistribute_grads(mesh_shape, shape):
+    """d(sum(w * redistribute(x)))/dx == w for every leaf layout and target layout."""
+    mesh = get_mesh(mesh_shape)
+    g = global_tensor(shape)
+    w = global_tensor(shape, seed=7)
+    leaves = placement_combos(mesh.ndim, len(shape), partial_ops=())
+    targets = placement_combos(mesh.ndim, len(shape), partial_ops=("sum", "avg"))
+    for src in leaves:
+        for dst in targets:
+            x = distribute_tensor(g, mesh, src).requires_grad_(True)
+            y = x.redistribute(placements=dst)
+            if any(p.is_partial() for p in dst):
+                (y.full_tensor() * w).sum().backward()
+            else:
+                y.backward(distribute_tensor(w, mesh, dst))
+            assert x.grad.shape == g.shape
+            assert torch.equal(x.grad.full_tensor(), w), f"{src} -> {dst}"
+    return True
+
+
+@pytest.mark.parametrize("shape_kind", ["uneven", "tiny"])
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
+def test_gradient_through_every_redistribute(mesh_shape, shape_kind):
+    run_on_ranks(world_of(mesh_shape), _redistribute_grads, mesh_shape, SHAPES[shape_kind])
+
+
+def _from_local_grads(mesh_shape, shape):
+    mesh = get_mesh(mesh_shape)
+    g = global_tensor(shape)
+    w = global_tensor(shape, seed=5)
+    coordinate = mesh.get_coordinate()
+    checked = []
+    for placements in placement_combos(mesh.ndim, len(shape), partial_ops=("sum", "avg")):
+        local = expected_local(g, mesh, placements, coordinate).detach().clone().requires_grad_(True)
+        x = ShardTensor.from_local(local, mesh, placements)
+        assert not x.is_leaf and x.requires_grad
+        (x.full_tensor() * w).sum().backward()
+        # single device: the global value's gradient is w; a rank's slab gets its part of it,
+        # a replica all of it, and an averaged contribution 1/n of it.
+        want = expected_local(w, mesh, [p if not p.is_partial() else Replicate() for p in placements], coordinate)
+        for axis, p in enumerate(placements):
+            if p.is_partial() and p.reduce_op == "avg":
+                want = want / mesh.size(axis)
+        assert torch.equal(local.grad, want), placements
+        checked.append(str(placements))
+    return checked
+
+
+@pytest.mark.parametrize("shape_kind", ["even", "uneven"])
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=str)
+def test_gradient_through_from_local_and_full_tensor(mesh_shape, shape_kind):
+    run_on_ranks(world_of(mesh_shape), _from_local_grads, mesh_shape, SHAPES[shape_kind])
+
+
+def _to_local_and_scatter_grads(world):
+    mesh = get_mesh((world,))
+    g = global_tensor((7, 3))
+    w = global_tensor((7, 3), seed=2)
+    x = scatter_tensor(g if dist.get_rank() == 0 else None, 0, mesh, [Shard(0)], requires_grad=True)
+    assert x.is_leaf and x.requires_grad and x.grad is None
+    w_local = expected_local(w, mesh, [Shard(0)], mesh.get_coordinate())
+    (x.to_local() * w_local).sum().backward()
+    assert isinstance(x.grad, ShardTensor)
+    assert torch.equal(x.grad.full_tensor(), w)
+    d = ShardTensor.from_dtensor(x.to_dtensor())
+    assert torch.equal(d.full_tensor(), g)
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_gradient_through_to_local_scatter_and_dtensor(world):
+    run_on_ranks(world, _to_local_and_scatter_grads, world)
+
+
+def _dtensor_bridge_grads(world):
+    from torch.distributed.tensor import distribute_tensor as dt_distribute
+
+    mesh = get_mesh((world,))
+    g = global_tensor((7, 3))
+    w = global_tensor((7, 3), seed=2)
+    d = dt_distribute(g, mesh, [Shard(0)]).requires_grad_(True)
+    s = ShardTensor.from_dtensor(d)
+    assert torch.equal(s.full_tensor(), g)
+    (s.full_tensor() * w).sum().backward()
+    assert torch.equal(d.grad.full_tensor(), w)
+    x = distribute_tensor(g, mesh, [Shard(0)]).requires_grad_(True)  # balanced, not chunk, on 4 ranks
+    back = x.to_dtensor()
+    assert torch.equal(back.full_tensor(), g)
+    (back.full_tensor() * w).sum().backward()
+    assert torch.equal(x.grad.full_tensor(), w)
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_dtensor_bridge_round_trip_with_gradients(world):
+    run_on_ranks(world, _dtensor_bridge_grads, world)
+
+
+def _requires_grad_semantics():
+    mesh = get_mesh((2,))
+    g = global_tensor((5, 4))
+    x = distribute_tensor(g, mesh, [Shard(0)])
+    assert not x.requires_grad and x.is_leaf
+    assert x.requires_grad_() is x and x.requires_grad
+    x.requires_grad = False
+    assert not x.requires_grad
+    x.requires_grad = True
+    y = x * 3.0
+    assert isinstance(y, ShardTensor) and y.requires_grad and not y.is_leaf and y.grad_fn is not None
+    with pytest.raises(RuntimeError):
+        y.requires_grad = False  # same error as on a plain non-leaf tensor
+    y.retain_grad()
+    seen = []
+    x.register_hook(lambda grad: seen.append(type(grad).__name__) or grad * 2)
+    (y * 1.5).sum().backward()
+    assert isinstance(y.grad, ShardTensor) and torch.equal(y.grad.full_tensor(), torch.full((5, 4), 1.5))
+    assert seen == ["ShardTensor"]
+    assert torch.equal(x.grad.full_tensor(), torch.full((5, 4), 9.0))  # 3 * 1.5, doubled by the hook
+    x.grad = None
+    assert x.grad is None
+    detached = y.detach()
+    assert isinstance(detached, ShardTensor) and not detached.requires_grad and detached.is_leaf
+    with torch.no_grad():
+        z = x * 2
+    assert not z.requires_grad
+    return True
+
+
+def test_requires_grad_is_leaf_grad_retain_grad_and_hooks():
+    run_on_ranks(2, _requires_grad_semantics)
+
+
+def _plain_parameter_grad_reduced_once(world):
+    mesh = get_mesh((world,))
+    g = global_tensor((6, 5))
+    w = torch.linspace(-1, 1, 5, requires_grad=True)
+    x = distribute_tensor(g, mesh, [Shard(0)])
+    y = torch.tanh(x * w + 0.5)
+    loss = y.sum()
+    with count_communication() as log:
+        loss.backward()
+    w_ref = w.detach().clone().requires_grad_(True)
+    torch.tanh(g * w_ref + 0.5).sum().backward()
+    assert type(w.grad) is torch.Tensor
+    torch.testing.assert_close(w.grad, w_ref.grad, atol=1e-5, rtol=1e-5)
+    return log.kinds()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_plain_parameter_gradient_summed_over_mesh_exactly_once(world):
+    kinds = run_on_ranks(world, _plain_parameter_grad_reduced_once, world)
+    for rank_kinds in kinds:
+        assert rank_kinds.count("all_reduce") == (1 if world > 1 else 0), rank_kinds
+
+
+def _partial_gradient_is_replicated():
+    mesh = get_mesh((2,))
+    g = global_tensor((4, 3))
+    x = distribute_tensor(g, mesh, [Shard(0)]).requires_grad_(True)
+    s = x.sum(dim=0)
+    assert s.placements == (Partial("sum"),)
+    r = s.redistribute(placements=[Replicate()])
+    r.backward(distribute_tensor(torch.ones(3), mesh, [Replicate()]))
+    assert torch.equal(x.grad.full_tensor(), torch.ones(4, 3))
+    return True
+
+
+def test_gradient_of_partial_reduction():
+    run_on_ranks(2, _partial_gradient_is_replicated)

@@ -1,0 +1,97 @@
+"""Ops without a physics_dp handler go through DTensor's rules with our sizes: uneven shards stay exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from physics_dp.shard_tensor import Replicate, Shard, ShardingRuleError
+from physics_dp.testing import get_mesh, run_on_ranks
+from physics_dp.testing.compare import assert_sharded_matches
+
+from ._cases import world_of
+
+LAYOUTS = [(1,), (2,), (3,), (4,), (2, 2)]
+
+
+def _x(shape, seed=0):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _shard_h(mesh):
+    """Shard dim 2 of an (N, C, H, W) field; on 2-D meshes H over axis 0 and W over axis 1."""
+    return [Shard(2)] if mesh.ndim == 1 else [Shard(2), Shard(3)]
+
+
+# name -> (fn, input shapes, placements builder (mesh -> list per input))
+CASES = {
+    "slice_unsharded_dim": (lambda x: x[:, 1:3, :, 1:], [(2, 4, 7, 5)], lambda m: [[Shard(2)] + [Replicate()] * (m.ndim - 1)]),
+    "slice_sharded_dim": (lambda x: x[:, :, 1:6], [(2, 3, 7, 5)], lambda m: [_shard_h(m)]),
+    "transpose": (lambda x: x.transpose(1, 3), [(2, 3, 7, 5)], lambda m: [_shard_h(m)]),
+    "permute": (lambda x: x.permute(0, 2, 3, 1).contiguous(), [(2, 3, 7, 5)], lambda m: [_shard_h(m)]),
+    "cat_unsharded_dim": (lambda x, y: torch.cat([x, y * 2], dim=1), [(2, 3, 7, 5), (2, 2, 7, 5)], lambda m: [_shard_h(m)] * 2),
+    "cat_sharded_dim": (lambda x, y: torch.cat([x, y], dim=2), [(1, 2, 7, 5), (1, 2, 3, 5)], lambda m: [_shard_h(m)] * 2),
+    "cast_double": (lambda x: x.double() * 3, [(2, 3, 7, 5)], lambda m: [_shard_h(m)]),
+    "cast_half_back": (lambda x: x.half().float(), [(2, 3, 7, 5)], lambda m: [_shard_h(m)]),
+    "max_unsharded_dim": (lambda x: torch.max(x, dim=1), [(2, 3, 7, 5)], lambda m: [_shard_h(m)]),
+    "max_sharded_dim": (lambda x: torch.max(x, dim=2).values, [(2, 3, 7, 5)], lambda m: [_shard_h(m)]),
+    "broadcast_plain_param": (lambda x, b: x * b + b, [(2, 3, 7, 5), (3, 1, 1)], lambda m: [_shard_h(m), None]),
+    "broadcast_replicated_row": (lambda x, r: x - r, [(2, 3, 7, 5), (7, 5)], lambda m: [_shard_h(m), [Replicate()] * m.ndim]),
+    "broadcast_sharded_both": (lambda x, y: torch.sigmoid(x) * y, [(2, 3, 7, 5), (1, 3, 7, 5)], lambda m: [_shard_h(m)] * 2),
+    "sum_sharded_dim": (lambda x: x.sum(dim=(2, 3)), [(2, 3, 7, 5)], lambda m: [_shard_h(m)]),
+    "sum_all": (lambda x: (x * x).sum(), [(2, 3, 7, 5)], lambda m: [_shard_h(m)]),
+    "where_mask": (lambda x: torch.where(x > 0, x, x * 0.1), [(2, 3, 7, 5)], lambda m: [_shard_h(m)]),
+}
+
+SIZES = {"balanced": None, "skewed": "skewed"}
+
+
+def _skewed(mesh, placements, shape):
+    """A non-chunk split: everything on the last coordinate of each sharded axis but one row per rank."""
+    sizes = {}
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            n, extent = mesh.size(axis), shape[p.dim]
+            split = [min(1, extent)] * n
+            split[-1] = extent - sum(split[:-1])
+            if split[-1] < 0:
+                split = [1] * extent + [0] * (n - extent)
+            sizes[axis] = split
+    return sizes
+
+
+def _run_case(mesh_shape, name, split):
+    fn, shapes, placements_of = CASES[name]
+    mesh = get_mesh(mesh_shape)
+    inputs = [_x(s, seed=i) for i, s in enumerate(shapes)]
+    placements = placements_of(mesh)
+    sizes = None
+    if split == "skewed":
+        sizes = [None if p is None else _skewed(mesh, p, s) for p, s in zip(placements, shapes)]
+    assert_sharded_matches(fn, inputs, mesh, placements, sharding_sizes=sizes)
+    return True
+
+
+@pytest.mark.parametrize("split", sorted(SIZES))
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("mesh_shape", LAYOUTS, ids=str)
+def test_fallback_op_matches_single_device(mesh_shape, name, split):
+    run_on_ranks(world_of(mesh_shape), _run_case, mesh_shape, name, split)
+
+
+def _flattening_a_sharded_dim_into_batch_raises():
+    mesh = get_mesh((2,))
+    x = torch.randn(2, 3, 7, 5)
+    w = torch.randn(4, 3)
+    from physics_dp.shard_tensor import distribute_tensor
+
+    xs = distribute_tensor(x, mesh, [Shard(2)])
+    with pytest.raises(ShardingRuleError) as info:
+        torch.einsum("nchw,dc->ndhw", xs, w)
+    message = str(info.value)
+    assert "view" in message and "[Shard(dim=1)]" in message and "(2, 7, 5, 3, 1)" in message
+    return message
+
+
+def test_unsupported_layout_raises_naming_op_and_placements():
+    run_on_ranks(2, _flattening_a_sharded_dim_into_batch_raises)
