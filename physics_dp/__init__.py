@@ -2,6 +2,7 @@
 
 from .distributed import DistributedManager
 from .shard_tensor import Partial, Replicate, Shard, ShardTensor, ShardTensorSpec, scatter_tensor
+from . import ops  # noqa: E402,F401  (registers the sharded op handlers)
 
 __version__ = "0.1.0"
 

@@ -1,0 +1,82 @@
+"""Building blocks for sharded ops written as local computations with local autograd.
+
+An op handler takes the slab out of its ShardTensor (differentiably), computes on plain local
+tensors (with halos, statistics, ...), and wraps the local result back with the spec it
+computed.  Parameters shared by every rank (plain tensors, or replicated ShardTensors) enter
+through :func:`local_param`, whose backward sums the per-rank gradient contributions over the
+mesh axes that split the data, once per use, so parameter gradients equal one device's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..distributed import collectives
+from ..shard_tensor import Replicate, Shard, ShardTensor, ShardTensorSpec
+from ..shard_tensor.conversions import from_local_with_spec, to_local
+
+__all__ = ["local_input", "local_param", "wrap_local", "sharded_axes", "data_axes", "ShardedOpError"]
+
+
+class ShardedOpError(NotImplementedError):
+    """A sharded op was called with an unsupported combination; the message says which and why."""
+
+    def __init__(self, op: str, tensors: Sequence[ShardTensor], reason: str) -> None:
+        layouts = ", ".join(f"{tuple(t.shape)} {list(t.placements)}" for t in tensors)
+        super().__init__(f"{op} on ShardTensor(s) {layouts}: {reason}")
+
+
+def local_input(tensor: ShardTensor) -> torch.Tensor:
+    """The slab of ``tensor`` as a plain tensor in the local autograd graph."""
+    return to_local(tensor)
+
+
+def sharded_axes(tensor: ShardTensor) -> list[tuple[int, int]]:
+    """(mesh axis, tensor dim) for every axis that shards ``tensor``."""
+    return [(axis, p.dim) for axis, p in enumerate(tensor.placements) if type(p) is Shard]
+
+
+def data_axes(tensor: ShardTensor) -> list[int]:
+    """Mesh axes whose ranks hold different data (sharded): parameter gradients sum over them."""
+    return [axis for axis, _ in sharded_axes(tensor)]
+
+
+class _SumGradOverAxes(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, param: torch.Tensor, mesh, axes: tuple[int, ...]) -> torch.Tensor:  # type: ignore[override]
+        ctx.mesh, ctx.axes = mesh, axes
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        for axis in ctx.axes:
+            grad = collectives.all_reduce(grad, "sum", ctx.mesh.get_group(axis))
+        return grad, None, None
+
+
+def local_param(param: torch.Tensor | None, like: ShardTensor) -> torch.Tensor | None:
+    """A parameter for local compute beside the slab of ``like``.
+
+    Each rank's local compute yields only its slab's share of the parameter gradient; the
+    backward sums those shares over the axes that split ``like``.  Replicated ShardTensor
+    parameters are accepted too.
+    """
+    if param is None:
+        return None
+    if isinstance(param, ShardTensor):
+        if any(type(p) is not Replicate for p in param.placements):
+            raise ShardedOpError("parameter", [param], "parameters must be plain tensors or replicated ShardTensors")
+        param = to_local(param)
+    axes = tuple(data_axes(like))
+    if not axes or not (torch.is_grad_enabled() and param.requires_grad) or not dist.is_initialized():
+        return param
+    return _SumGradOverAxes.apply(param, like.device_mesh, axes)
+
+
+def wrap_local(local: torch.Tensor, like: ShardTensor, shape: Sequence[int], axis_sizes: Sequence[Sequence[int] | None]) -> ShardTensor:
+    """Wrap a local result as a ShardTensor on ``like``'s mesh and placements with the given split."""
+    spec = ShardTensorSpec(like.device_mesh, like.placements, shape, axis_sizes)
+    return from_local_with_spec(local, spec)
