@@ -1,0 +1,109 @@
+"""Dispatch: the pointwise fast paths send nothing and reuse specs; user handlers plug in; gaps raise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.overrides import handle_torch_function, has_torch_function_unary
+
+from physics_dp.distributed.collectives import count_communication
+from physics_dp.shard_tensor import Shard, ShardingRuleError, ShardTensor, distribute_tensor
+from physics_dp.shard_tensor.conversions import from_local_with_spec
+from physics_dp.testing import get_mesh, run_on_ranks
+
+from ._cases import global_tensor
+
+
+def _pointwise_is_local(world):
+    mesh = get_mesh((world,))
+    a, b = global_tensor((9, 6)), global_tensor((9, 6), seed=1)
+    x, y = distribute_tensor(a, mesh, [Shard(0)]), distribute_tensor(b, mesh, [Shard(0)])
+    with count_communication() as log:
+        z = F.gelu(x * y + 1.5) - torch.sigmoid(y)
+        z.add_(2.0)
+    assert log.calls == 0
+    assert z._spec is x._spec  # spec reused, not rebuilt
+    torch.testing.assert_close(z.full_tensor(), F.gelu(a * b + 1.5) - torch.sigmoid(b) + 2.0)
+
+    xg, yg = x.detach().requires_grad_(), y.detach().requires_grad_()
+    cotangent = distribute_tensor(global_tensor((9, 6), seed=2), mesh, [Shard(0)])
+    with count_communication() as log:
+        out = torch.tanh(xg) * yg / (yg * yg + 1.0)
+        out.backward(cotangent)
+    assert log.calls == 0, log.kinds()
+    assert xg.grad._spec == x._spec and yg.grad._spec == y._spec
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_pointwise_ops_send_nothing_forward_and_backward(world):
+    run_on_ranks(world, _pointwise_is_local, world)
+
+
+def soft_clip(x: torch.Tensor, limit: float) -> torch.Tensor:
+    """A user function that takes part in the __torch_function__ protocol."""
+    if has_torch_function_unary(x):
+        return handle_torch_function(soft_clip, (x,), x, limit)
+    return limit * torch.tanh(x / limit)
+
+
+_calls: list[str] = []
+
+
+def _soft_clip_handler(func, types, args, kwargs):
+    x, limit = args
+    _calls.append("soft_clip")
+    return from_local_with_spec(soft_clip(x.to_local(), limit), x._spec)
+
+
+@torch.library.custom_op("physics_dp_tests::scale_rows", mutates_args=())
+def scale_rows(x: torch.Tensor, factor: float) -> torch.Tensor:
+    return x * factor
+
+
+@scale_rows.register_fake
+def _(x, factor):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("physics_dp_tests::unregistered", mutates_args=())
+def unregistered(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@unregistered.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _scale_rows_handler(op, args, kwargs):
+    x, factor = args
+    _calls.append("scale_rows")
+    return ShardTensor(op(x._local_tensor, factor), x._spec)
+
+
+def _user_handlers():
+    mesh = get_mesh((3,))
+    g = global_tensor((7, 4))
+    x = distribute_tensor(g, mesh, [Shard(0)])
+    _calls.clear()
+    ShardTensor.register_function_handler(soft_clip, _soft_clip_handler)
+    ShardTensor.register_dispatch_handler(torch.ops.physics_dp_tests.scale_rows.default, _scale_rows_handler)
+    xg = x.detach().requires_grad_()
+    y = soft_clip(xg, 2.0)
+    y.sum().backward()
+    torch.testing.assert_close(y.full_tensor(), 2.0 * torch.tanh(g / 2.0))
+    torch.testing.assert_close(xg.grad.full_tensor(), 1 - torch.tanh(g / 2.0) ** 2)
+    z = scale_rows(x, 3.0)
+    assert isinstance(z, ShardTensor) and torch.equal(z.full_tensor(), g * 3.0)
+    assert _calls == ["soft_clip", "scale_rows"]
+    with pytest.raises(ShardingRuleError) as info:
+        unregistered(x)
+    message = str(info.value)
+    assert "physics_dp_tests.unregistered" in message and "(7, 4) [Shard(dim=0)]" in message
+    return True
+
+
+def test_user_registered_function_and_dispatch_handlers():
+    run_on_ranks(3, _user_handlers)

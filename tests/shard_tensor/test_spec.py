@@ -1,0 +1,66 @@
+"""ShardTensorSpec: default splits, validation messages, per-rank shapes and offsets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from physics_dp.shard_tensor import ShardTensorSpec, balanced_sizes
+from physics_dp.shard_tensor.spec import chunk_sizes
+from physics_dp.testing import get_mesh, run_on_ranks
+
+
+@pytest.mark.parametrize(
+    "extent,parts,balanced,chunk",
+    [(6, 4, (2, 2, 1, 1), (2, 2, 2, 0)), (7, 3, (3, 2, 2), (3, 3, 1)), (2, 4, (1, 1, 0, 0), (1, 1, 0, 0)), (8, 4, (2,) * 4, (2,) * 4), (0, 2, (0, 0), (0, 0))],
+)
+def test_default_and_chunk_splits(extent, parts, balanced, chunk):
+    assert balanced_sizes(extent, parts) == balanced
+    assert balanced == tuple(len(p) for p in torch.tensor_split(torch.arange(extent), parts))
+    assert chunk_sizes(extent, parts) == chunk
+
+
+def _validation_errors():
+    mesh = get_mesh((2, 2))
+    errors = {}
+    bad = {
+        "count": ([Shard(0)], (4, 4), None),
+        "range": ([Shard(2), Replicate()], (4, 4), None),
+        "nested": ([Shard(0), Shard(0)], (4, 4), None),
+        "unknown": ([_StridedShard(0, split_factor=2), Replicate()], (4, 4), None),
+        "sizes": ([Shard(0), Replicate()], (4, 4), [(3, 2), None]),
+        "partial_op": ([Partial("prod"), Replicate()], (4, 4), None),
+    }
+    for name, (placements, shape, sizes) in bad.items():
+        with pytest.raises(ValueError) as info:
+            ShardTensorSpec(mesh, placements, shape, sizes)
+        errors[name] = str(info.value)
+    return errors
+
+
+def test_invalid_specs_name_the_problem():
+    errors = run_on_ranks(4, _validation_errors)[0]
+    assert "one placement per mesh axis" in errors["count"]
+    assert "out of range" in errors["range"]
+    assert "over two mesh axes" in errors["nested"]
+    assert "unsupported placement" in errors["unknown"]
+    assert "do not split dim 0 of extent 4" in errors["sizes"]
+    assert "Partial('prod')" in errors["partial_op"]
+
+
+def _shapes_and_offsets():
+    mesh = get_mesh((2, 2))
+    spec = ShardTensorSpec(mesh, [Shard(2), Shard(3)], (1, 3, 7, 5), [(4, 3), (1, 4)])
+    coordinate = mesh.get_coordinate()
+    return coordinate, tuple(spec.local_shape()), spec.offsets(), {a: [tuple(s) for s in v] for a, v in spec.sharding_shapes().items()}
+
+
+def test_local_shapes_offsets_and_sharding_shapes_on_2x2():
+    for coordinate, local, offsets, shapes in run_on_ranks(4, _shapes_and_offsets):
+        i, j = coordinate
+        assert local == (1, 3, (4, 3)[i], (1, 4)[j])
+        assert offsets == (0, 0, (0, 4)[i], (0, 1)[j])
+        assert shapes[0] == [(1, 3, 4, (1, 4)[j]), (1, 3, 3, (1, 4)[j])]
+        assert shapes[1] == [(1, 3, (4, 3)[i], 1), (1, 3, (4, 3)[i], 4)]
