@@ -1,0 +1,98 @@
+"""view / reshape / flatten / unflatten / patchify on uneven shards, forward and backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from physics_dp.distributed.collectives import count_communication
+from physics_dp.ops.views import view_groups
+from physics_dp.shard_tensor import Replicate, Shard, distribute_tensor
+from physics_dp.testing import get_mesh, run_on_ranks
+from physics_dp.testing.compare import assert_sharded_matches
+
+LAYOUTS = [(1,), (2,), (3,), (4,), (2, 2)]
+
+
+def patchify(x: torch.Tensor, p: int) -> torch.Tensor:
+    """(N, C, H, W) -> (N, H/p * W/p, p*p*C), the ViT/DiT token layout."""
+    n, c, h, w = x.shape
+    x = x.reshape(n, c, h // p, p, w // p, p).permute(0, 2, 4, 3, 5, 1)
+    return x.reshape(n, (h // p) * (w // p), p * p * c)
+
+
+def unpatchify(tokens: torch.Tensor, p: int, h: int, w: int) -> torch.Tensor:
+    n, _, d = tokens.shape
+    c = d // (p * p)
+    x = tokens.reshape(n, h // p, w // p, p, p, c).permute(0, 5, 1, 3, 2, 4)
+    return x.reshape(n, c, h, w)
+
+
+CASES = {
+    "flatten_hw": (lambda x: x.flatten(2) * 2, (2, 3, 7, 5)),
+    "flatten_hw_view": (lambda x: x.view(2, 3, 35).sin(), (2, 3, 7, 5)),
+    "unflatten_w": (lambda x: x.unflatten(3, (2, 3)).cos(), (2, 3, 7, 6)),
+    "split_h_rows": (lambda x: x.reshape(2, 3, 4, 2, 5).sum(3), (2, 3, 8, 5)),
+    "merge_batch_channels": (lambda x: x.reshape(6, 7, 5) + 1, (2, 3, 7, 5)),
+    "round_trip_tokens": (lambda x: x.flatten(2).transpose(1, 2).reshape(2, 7, 5, 3), (2, 3, 7, 5)),
+    "patchify": (lambda x: patchify(x, 2) * 1.5, (2, 3, 8, 6)),
+    "patchify_unpatchify": (lambda x: unpatchify(patchify(x, 2).tanh(), 2, 8, 6), (1, 2, 8, 6)),
+}
+
+
+def _placements(mesh):
+    return [Shard(2)] if mesh.ndim == 1 else [Shard(2), Shard(3)]
+
+
+def _run(mesh_shape, name, skewed):
+    fn, shape = CASES[name]
+    mesh = get_mesh(mesh_shape)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    placements = _placements(mesh)
+    sizes = None
+    if skewed and mesh.size(0) > 1:
+        h = shape[2]
+        split = [1] * (mesh.size(0) - 1) + [h - (mesh.size(0) - 1)]
+        sizes = [{0: split}]
+    assert_sharded_matches(fn, [x], mesh, [placements], sharding_sizes=sizes)
+    return True
+
+
+@pytest.mark.parametrize("skewed", [False, True], ids=["balanced", "skewed"])
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("mesh_shape", LAYOUTS, ids=str)
+def test_view_family_matches_single_device(mesh_shape, name, skewed):
+    run_on_ranks(_world(mesh_shape), _run, mesh_shape, name, skewed)
+
+
+def _world(mesh_shape):
+    n = 1
+    for s in mesh_shape:
+        n *= s
+    return n
+
+
+
+
+def _flatten_keeps_shard_without_communication(world):
+    mesh = get_mesh((world,))
+    x = distribute_tensor(torch.randn(2, 3, 7, 5), mesh, [Shard(2)])
+    with count_communication() as log:
+        y = x.flatten(2)
+    assert log.calls == 0
+    assert y.placements == (Shard(2),)
+    assert y._spec.axis_sizes[0] == tuple(5 * s for s in x._spec.axis_sizes[0])
+    z = distribute_tensor(torch.randn(2, 3, 7, 5), mesh, [Replicate()]).flatten(1)
+    assert z.placements == (Replicate(),)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_flatten_of_a_leading_sharded_dim_is_free(world):
+    run_on_ranks(world, _flatten_keeps_shard_without_communication, world)
+
+
+def test_view_groups():
+    assert view_groups((2, 3, 7, 5), (2, 3, 35)) == [([0], [0]), ([1], [1]), ([2, 3], [2])]
+    assert view_groups((1, 7), (7,)) == [([0, 1], [0])]
+    assert view_groups((6, 4), (2, 12)) == [([0, 1], [0, 1])]
