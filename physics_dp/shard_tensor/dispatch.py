@@ -29,6 +29,7 @@ __all__ = [
     "register_dispatch_handler",
     "torch_function",
     "torch_dispatch",
+    "run_default",
     "bind_shard_tensor_class",
     "POINTWISE_FUNCTIONS",
 ]
@@ -163,6 +164,14 @@ def torch_function(cls: type, func: Any, types: tuple, args: tuple = (), kwargs:
         result = _pointwise_function_fast_path(func, args, kwargs)
         if result is not NotImplemented:
             return result
+    return run_default(func, args, kwargs)
+
+
+def run_default(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The path below the handlers: torch's own implementation, reaching ``__torch_dispatch__``.
+
+    Handlers that decline a call (an unsupported layout they leave to the fallback) end here.
+    """
     if torch.is_grad_enabled():
         args, kwargs = _replicate_plain_grad_tensors(args, kwargs)
     with torch._C.DisableTorchFunctionSubclass():
