@@ -26,6 +26,8 @@ __all__ = [
     "gather_sizes",
     "broadcast",
     "exchange_with_neighbours",
+    "start_exchange",
+    "PendingExchange",
 ]
 
 
@@ -164,18 +166,31 @@ def broadcast(tensor: torch.Tensor, src_group_rank: int, group: ProcessGroup) ->
     return tensor
 
 
-def exchange_with_neighbours(
+class PendingExchange:
+    """Point-to-point messages in flight; ``wait()`` returns what was received, keyed by peer."""
+
+    def __init__(self, requests: list, received: dict[int, torch.Tensor]) -> None:
+        self._requests = requests
+        self._received = received
+
+    def wait(self) -> dict[int, torch.Tensor]:
+        for request in self._requests:
+            request.wait()
+        self._requests = []
+        return self._received
+
+
+def start_exchange(
     sends: dict[int, torch.Tensor],
     recv_shapes: dict[int, Sequence[int]],
-    group: ProcessGroup,
+    group: ProcessGroup | None,
     *,
     dtype: torch.dtype,
     device: torch.device,
-) -> dict[int, torch.Tensor]:
-    """Point-to-point exchange keyed by group rank: send ``sends[peer]``, receive ``recv_shapes[peer]``.
+) -> PendingExchange:
+    """Start a point-to-point exchange keyed by group rank (see ``exchange_with_neighbours``).
 
-    Empty messages are skipped on both sides (both sides know the sizes), so a zero-width
-    halo costs nothing.
+    Returning before completion lets ring algorithms compute on one block while the next travels.
     """
     ops = []
     received: dict[int, torch.Tensor] = {}
@@ -189,7 +204,21 @@ def exchange_with_neighbours(
         received[peer] = buffer
         if buffer.numel():
             ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=peer))
-    if ops:
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
-    return received
+    requests = dist.batch_isend_irecv(ops) if ops else []
+    return PendingExchange(requests, received)
+
+
+def exchange_with_neighbours(
+    sends: dict[int, torch.Tensor],
+    recv_shapes: dict[int, Sequence[int]],
+    group: ProcessGroup | None,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> dict[int, torch.Tensor]:
+    """Point-to-point exchange keyed by group rank: send ``sends[peer]``, receive ``recv_shapes[peer]``.
+
+    Empty messages are skipped on both sides (both sides know the sizes), so a zero-width
+    halo costs nothing.
+    """
+    return start_exchange(sends, recv_shapes, group, dtype=dtype, device=device).wait()

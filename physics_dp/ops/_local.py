@@ -12,13 +12,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
 from ..distributed import collectives
 from ..shard_tensor import Replicate, Shard, ShardTensor, ShardTensorSpec
 from ..shard_tensor.conversions import from_local_with_spec, to_local
 
-__all__ = ["local_input", "local_param", "wrap_local", "sharded_axes", "data_axes", "ShardedOpError"]
+__all__ = [
+    "local_input",
+    "local_param",
+    "wrap_local",
+    "sharded_axes",
+    "data_axes",
+    "sum_grad_over_axes",
+    "ShardedOpError",
+]
 
 
 class ShardedOpError(NotImplementedError):
@@ -57,6 +64,13 @@ class _SumGradOverAxes(torch.autograd.Function):
         return grad, None, None
 
 
+def sum_grad_over_axes(tensor: torch.Tensor, mesh, axes: Sequence[int]) -> torch.Tensor:
+    """Identity forward; backward sums the gradient over ``axes`` (each rank holds one share)."""
+    if not axes or not (torch.is_grad_enabled() and tensor.requires_grad):
+        return tensor
+    return _SumGradOverAxes.apply(tensor, mesh, tuple(axes))
+
+
 def local_param(param: torch.Tensor | None, like: ShardTensor) -> torch.Tensor | None:
     """A parameter for local compute beside the slab of ``like``.
 
@@ -70,13 +84,12 @@ def local_param(param: torch.Tensor | None, like: ShardTensor) -> torch.Tensor |
         if any(type(p) is not Replicate for p in param.placements):
             raise ShardedOpError("parameter", [param], "parameters must be plain tensors or replicated ShardTensors")
         param = to_local(param)
-    axes = tuple(data_axes(like))
-    if not axes or not (torch.is_grad_enabled() and param.requires_grad) or not dist.is_initialized():
-        return param
-    return _SumGradOverAxes.apply(param, like.device_mesh, axes)
+    return sum_grad_over_axes(param, like.device_mesh, data_axes(like))
 
 
 def wrap_local(local: torch.Tensor, like: ShardTensor, shape: Sequence[int], axis_sizes: Sequence[Sequence[int] | None]) -> ShardTensor:
     """Wrap a local result as a ShardTensor on ``like``'s mesh and placements with the given split."""
     spec = ShardTensorSpec(like.device_mesh, like.placements, shape, axis_sizes)
+    if spec.local_shape() != local.shape:
+        raise RuntimeError(f"local result of shape {tuple(local.shape)} does not match {spec}: a bug in the op handler")
     return from_local_with_spec(local, spec)

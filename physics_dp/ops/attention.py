@@ -1,0 +1,299 @@
+"""``F.scaled_dot_product_attention`` with the token dim sharded: ring attention and friends.
+
+- q and k/v sharded on the same mesh axis: ring attention.  K/V blocks travel around the ring
+  (the next block is in flight while the current one is computed) and per-block results merge
+  with a stable log-sum-exp.  The backward runs the ring again, carrying each block's dK/dV
+  accumulators home.  Memory per rank is one block of scores, never the full L x S matrix.
+- q sharded, k/v whole on every rank (e.g. cross-attention to a replicated context): local, and
+  the k/v gradients are summed over the axis.
+- q whole, k/v sharded: each rank attends to its keys; one max, one sum and one weighted-sum
+  all-reduce merge the partial results.
+
+Masks (boolean or additive, broadcastable to (..., L, S)) and ``is_causal`` use global token
+offsets, so uneven and empty shards are exact.  Works on CPU/gloo (no fused kernels needed).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.distributed import ProcessGroup
+
+from ..distributed import collectives
+from ..shard_tensor import Replicate, Shard, ShardTensor
+from ..shard_tensor.dispatch import run_default
+from ._local import ShardedOpError, local_input, sum_grad_over_axes, wrap_local
+
+__all__ = ["RingMeta"]
+
+_OP = "scaled_dot_product_attention"
+
+
+def _offsets(sizes: tuple[int, ...]) -> list[int]:
+    out, running = [], 0
+    for s in sizes:
+        out.append(running)
+        running += s
+    return out
+
+
+@dataclass(frozen=True)
+class RingMeta:
+    """What every block computation needs: who holds which tokens, and the mask rule."""
+
+    group: ProcessGroup
+    me: int
+    size: int
+    q_offset: int
+    kv_sizes: tuple[int, ...]
+    scale: float
+    causal: bool
+    mask: torch.Tensor | None  # global, broadcastable to (..., L, S); additive float
+
+    def kv_offset(self, owner: int) -> int:
+        return _offsets(self.kv_sizes)[owner]
+
+
+def _additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, float("-inf"))
+
+
+def _block_bias(meta: RingMeta, rows: int, owner: int, cols: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+    """Additive bias of the (my queries) x (owner's keys) block, from global offsets."""
+    k_offset = meta.kv_offset(owner)
+    bias = None
+    if meta.mask is not None:
+        mask = meta.mask
+        if mask.shape[-2] != 1:
+            mask = mask.narrow(-2, meta.q_offset, rows)
+        if mask.shape[-1] != 1:
+            mask = mask.narrow(-1, k_offset, cols)
+        bias = mask.to(device=device, dtype=dtype)
+    if meta.causal:
+        r = torch.arange(meta.q_offset, meta.q_offset + rows, device=device)[:, None]
+        c = torch.arange(k_offset, k_offset + cols, device=device)[None, :]
+        causal = torch.zeros(rows, cols, dtype=dtype, device=device).masked_fill(c > r, float("-inf"))
+        bias = causal if bias is None else bias + causal
+    return bias
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None, scale: float) -> torch.Tensor:
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    return scores if bias is None else scores + bias
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """-inf (a fully masked row) as 0, so exp(s - lse) stays 0 instead of NaN."""
+    return torch.where(torch.isinf(lse) & (lse < 0), torch.zeros_like(lse), lse)
+
+
+def _block_forward(q, k, v, bias, scale):
+    scores = _scores(q, k, bias, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - _finite(lse)[..., None])
+    return torch.matmul(probs, v), lse
+
+
+def _merge(out, lse, block_out, block_lse):
+    merged = torch.logaddexp(lse, block_lse)
+    safe = _finite(merged)
+    return out * torch.exp(lse - safe)[..., None] + block_out * torch.exp(block_lse - safe)[..., None], merged
+
+
+def _rotate(payload: torch.Tensor, meta: RingMeta, incoming_owner: int) -> collectives.PendingExchange:
+    """Send ``payload`` to the next rank; receive the previous rank's block (of ``incoming_owner``)."""
+    nxt, prv = (meta.me + 1) % meta.size, (meta.me - 1) % meta.size
+    shape = list(payload.shape)
+    shape[-2] = meta.kv_sizes[incoming_owner]
+    return collectives.start_exchange({nxt: payload}, {prv: shape}, meta.group, dtype=payload.dtype, device=payload.device)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, meta: RingMeta):  # type: ignore[override]
+        e_k = k.shape[-1]
+        out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        block = torch.cat([k, v], dim=-1)
+        for step in range(meta.size):
+            owner = (meta.me - step) % meta.size
+            pending = _rotate(block, meta, (owner - 1) % meta.size) if step + 1 < meta.size else None
+            bias = _block_bias(meta, q.shape[-2], owner, block.shape[-2], q.device, q.dtype)
+            block_out, block_lse = _block_forward(q, block[..., :e_k], block[..., e_k:], bias, meta.scale)
+            out, lse = _merge(out, lse, block_out, block_lse)
+            if pending is not None:
+                block = pending.wait()[(meta.me - 1) % meta.size]
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.meta = meta
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        meta: RingMeta = ctx.meta
+        e_k, e_v = k.shape[-1], v.shape[-1]
+        grad_out = grad_out.contiguous()
+        delta = (grad_out * out).sum(-1, keepdim=True)
+        safe_lse = _finite(lse)[..., None]
+        grad_q = torch.zeros_like(q)
+        # travelling block: k, v, dk, dv of its owner
+        block = torch.cat([k, v, torch.zeros_like(k), torch.zeros_like(v)], dim=-1)
+        for step in range(meta.size):
+            owner = (meta.me - step) % meta.size
+            k_b, v_b = block[..., :e_k], block[..., e_k : e_k + e_v]
+            bias = _block_bias(meta, q.shape[-2], owner, block.shape[-2], q.device, q.dtype)
+            probs = torch.exp(_scores(q, k_b, bias, meta.scale) - safe_lse)
+            grad_scores = probs * (torch.matmul(grad_out, v_b.transpose(-1, -2)) - delta)
+            grad_q += torch.matmul(grad_scores, k_b) * meta.scale
+            grad_k_b = block[..., e_k + e_v : 2 * e_k + e_v] + torch.matmul(grad_scores.transpose(-1, -2), q) * meta.scale
+            grad_v_b = block[..., 2 * e_k + e_v :] + torch.matmul(probs.transpose(-1, -2), grad_out)
+            if step + 1 < meta.size:
+                block = torch.cat([k_b, v_b, grad_k_b, grad_v_b], dim=-1)
+            else:
+                block = torch.cat([grad_k_b, grad_v_b], dim=-1)  # only the accumulators go home
+            if meta.size > 1:
+                block = _rotate(block, meta, (owner - 1) % meta.size).wait()[(meta.me - 1) % meta.size]
+        grad_k, grad_v = block[..., -(e_k + e_v) : -e_v], block[..., -e_v:]
+        return grad_q, grad_k.contiguous(), grad_v.contiguous(), None
+
+
+class _SumOverAxis(torch.autograd.Function):
+    """All-reduce sum whose gradient is the (replicated) output gradient itself."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):  # type: ignore[override]
+        return collectives.all_reduce(tensor, "sum", group)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad, None
+
+
+# ----- argument handling --------------------------------------------------------------------
+def _token_axes(t: Any) -> list[int]:
+    if not isinstance(t, ShardTensor):
+        return []
+    return [a for a, p in enumerate(t.placements) if type(p) is Shard and p.dim == t.ndim - 2]
+
+
+def _check(q, k, v, mask, dropout_p, tensors) -> None:
+    if dropout_p:
+        raise ShardedOpError(_OP, tensors, "dropout_p > 0 is not supported on sharded tokens; use dropout outside attention")
+    for t in tensors:
+        if t._spec.has_partial:
+            raise ShardedOpError(_OP, tensors, "inputs with pending reductions (Partial) must be reduced first")
+        if any(type(p) is Shard and p.dim == t.ndim - 1 for p in t.placements):
+            raise ShardedOpError(_OP, tensors, "the embedding dim must not be sharded")
+    if isinstance(mask, ShardTensor) and any(not p.is_replicate() for p in mask.placements):
+        raise ShardedOpError(_OP, tensors, "attn_mask must be a plain or replicated tensor (it is sliced per block)")
+    for name, t in (("key", k), ("value", v)):
+        if isinstance(t, ShardTensor) != isinstance(k, ShardTensor) or (
+            isinstance(t, ShardTensor) and t.placements != k.placements
+        ):
+            raise ShardedOpError(_OP, tensors, f"{name} must have the same placements as key")
+    if len(_token_axes(q)) > 1 or len(_token_axes(k)) > 1:
+        raise ShardedOpError(_OP, tensors, "tokens may be sharded over one mesh axis only")
+    if isinstance(q, ShardTensor) and isinstance(k, ShardTensor):
+        others = [a for a in range(q.device_mesh.ndim) if a not in _token_axes(q) + _token_axes(k)]
+        if any(q.placements[a] != k.placements[a] for a in others):
+            raise ShardedOpError(_OP, tensors, "query and key/value must be laid out alike on the non-token mesh axes")
+
+
+def _local(t: Any, axes_to_sum: list[int], mesh) -> torch.Tensor:
+    if isinstance(t, ShardTensor):
+        return sum_grad_over_axes(local_input(t), mesh, axes_to_sum)
+    return t if not axes_to_sum else sum_grad_over_axes(t, mesh, axes_to_sum)
+
+
+def _expand_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool):
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        repeat = q.shape[-3] // k.shape[-3]
+        return k.repeat_interleave(repeat, dim=-3), v.repeat_interleave(repeat, dim=-3)
+    return k, v
+
+
+def _slice_batch_dims(mask: torch.Tensor, q: ShardTensor, token_axis: int) -> torch.Tensor:
+    """This rank's batch/head slab of a whole tensor (a mask, or keys every rank holds) when
+    those dims of ``q`` are sharded on other axes; dims align from the right as in broadcasting."""
+    offsets = q._spec.offsets()
+    local = q._spec.local_shape()
+    for axis, placement in enumerate(q.placements):
+        if axis == token_axis or type(placement) is not Shard:
+            continue
+        mask_dim = placement.dim - (q.ndim - mask.ndim)
+        if mask_dim >= 0 and mask.shape[mask_dim] > 1:
+            mask = mask.narrow(mask_dim, offsets[placement.dim], local[placement.dim])
+    return mask
+
+
+def _sdpa_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    q, k, v = bound["query"], bound["key"], bound["value"]
+    mask, dropout_p = bound.get("attn_mask"), bound.get("dropout_p", 0.0)
+    causal, scale, enable_gqa = bound.get("is_causal", False), bound.get("scale"), bound.get("enable_gqa", False)
+    q_axes, kv_axes = _token_axes(q), _token_axes(k)
+    if not q_axes and not kv_axes:
+        return run_default(func, args, kwargs)
+    tensors = [t for t in (q, k, v) if isinstance(t, ShardTensor)]
+    _check(q, k, v, mask, dropout_p, tensors)
+    if causal and mask is not None:
+        raise ShardedOpError(_OP, tensors, "attn_mask and is_causal together are rejected, as by torch")
+    if q_axes and kv_axes and q_axes != kv_axes:
+        raise ShardedOpError(_OP, tensors, "query and key/value tokens must be sharded over the same mesh axis")
+    axis = (q_axes or kv_axes)[0]
+    anchor = tensors[0]
+    mesh = anchor.device_mesh
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    mask_full = mask.full_tensor() if isinstance(mask, ShardTensor) else mask
+    if mask_full is not None and isinstance(q, ShardTensor):
+        mask_full = _slice_batch_dims(mask_full, q, axis)
+    q_sizes = q._spec.axis_sizes[axis] if q_axes else (q.shape[-2],) * mesh.size(axis)
+    kv_sizes = k._spec.axis_sizes[axis] if kv_axes else (k.shape[-2],) * mesh.size(axis)
+    me = mesh.get_coordinate()[axis]
+    meta = RingMeta(
+        group=mesh.get_group(axis),
+        me=me,
+        size=mesh.size(axis),
+        q_offset=_offsets(q_sizes)[me] if q_axes else 0,
+        kv_sizes=tuple(kv_sizes) if kv_axes else (k.shape[-2],),
+        scale=scale,
+        causal=causal,
+        mask=_additive_mask(mask_full, q.dtype),
+    )
+    q_l = _local(q, [] if q_axes else [axis], mesh)
+    if kv_axes:
+        k_l, v_l = _local(k, [], mesh), _local(v, [], mesh)
+    else:  # whole on every rank: this rank's batch/head slab, gradient shares summed over q's axes
+        q_axes_all = [a for a, p in enumerate(q.placements) if type(p) is Shard]
+        k_l = _slice_batch_dims(_local(k, q_axes_all, mesh), q, axis)
+        v_l = _slice_batch_dims(_local(v, q_axes_all, mesh), q, axis)
+    k_l, v_l = _expand_heads(q_l, k_l, v_l, enable_gqa)
+    if q_axes and kv_axes:
+        out = _RingAttention.apply(q_l, k_l, v_l, meta)
+    elif q_axes:  # keys whole on every rank: the single "block" is owner 0 in a ring of one
+        local_meta = RingMeta(meta.group, 0, 1, meta.q_offset, (k_l.shape[-2],), scale, causal, meta.mask)
+        bias = _block_bias(local_meta, q_l.shape[-2], 0, k_l.shape[-2], q_l.device, q_l.dtype)
+        out, _ = _block_forward(q_l, k_l, v_l, bias, scale)
+    else:
+        bias = _block_bias(meta, q_l.shape[-2], me, k_l.shape[-2], q_l.device, q_l.dtype)
+        block_out, block_lse = _block_forward(q_l, k_l, v_l, bias, scale)
+        peak = collectives.all_reduce(block_lse.detach(), "max", meta.group)
+        weight = torch.exp(block_lse - _finite(peak))
+        total = _SumOverAxis.apply(weight, meta.group)
+        out = _SumOverAxis.apply(block_out * weight[..., None], meta.group) / torch.where(total > 0, total, 1)[..., None]
+    shape = (*q.shape[:-1], v.shape[-1])
+    like = q if isinstance(q, ShardTensor) else anchor
+    if not isinstance(q, ShardTensor):
+        like = ShardTensor(q, like._spec.replace(placements=[Replicate()] * mesh.ndim, shape=q.shape))
+    return wrap_local(out, like, shape, like._spec.axis_sizes)
+
+
+ShardTensor.register_function_handler(F.scaled_dot_product_attention, _sdpa_handler)
