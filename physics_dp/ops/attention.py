@@ -296,4 +296,62 @@ def _sdpa_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
     return wrap_local(out, like, shape, like._spec.axis_sizes)
 
 
+_MHA_ARGS = (
+    "query key value embed_dim_to_check num_heads in_proj_weight in_proj_bias bias_k bias_v add_zero_attn "
+    "dropout_p out_proj_weight out_proj_bias training key_padding_mask need_weights attn_mask "
+    "use_separate_proj_weight q_proj_weight k_proj_weight v_proj_weight static_k static_v "
+    "average_attn_weights is_causal"
+).split()
+
+
+def _mha_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
+    """``nn.MultiheadAttention`` on (L, N, E) tokens sharded over L, via sharded linear + ring attention.
+
+    torch's own implementation runs with subclass dispatch disabled below its entry point, which
+    would bypass the sharded attention; this spells out the same computation on ShardTensors.
+    """
+    a = dict(zip(_MHA_ARGS, args))
+    a.update(kwargs)
+    query, key, value = a["query"], a["key"], a["value"]
+    tensors = [t for t in (query, key, value) if isinstance(t, ShardTensor)]
+    unsupported = {
+        "need_weights=True (pass need_weights=False)": a.get("need_weights", True),
+        "bias_k/bias_v": a.get("bias_k") is not None or a.get("bias_v") is not None,
+        "add_zero_attn": a.get("add_zero_attn", False),
+        "key_padding_mask (fold it into attn_mask)": a.get("key_padding_mask") is not None,
+        "static_k/static_v": a.get("static_k") is not None or a.get("static_v") is not None,
+        "dropout in training": a.get("training", True) and a.get("dropout_p", 0.0) > 0,
+    }
+    reasons = [name for name, present in unsupported.items() if present]
+    if reasons:
+        raise ShardedOpError("multi_head_attention_forward", tensors, "unsupported on sharded tokens: " + ", ".join(reasons))
+    heads = a["num_heads"]
+    tgt_len, batch, embed = query.shape
+    src_len = key.shape[0]
+    head_dim = embed // heads
+    if a.get("use_separate_proj_weight", False):
+        weights = (a["q_proj_weight"], a["k_proj_weight"], a["v_proj_weight"])
+    else:
+        weights = a["in_proj_weight"].chunk(3)
+    bias = a["in_proj_bias"]
+    biases = bias.chunk(3) if bias is not None else (None, None, None)
+
+    def heads_first(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, length: int) -> torch.Tensor:
+        projected = F.linear(x, w, b)
+        return projected.view(length, batch * heads, head_dim).transpose(0, 1).view(batch, heads, length, head_dim)
+
+    q = heads_first(query, weights[0], biases[0], tgt_len)
+    k = heads_first(key, weights[1], biases[1], src_len)
+    v = heads_first(value, weights[2], biases[2], src_len)
+    mask = a.get("attn_mask")
+    if mask is not None and mask.dim() == 3:
+        mask = mask.view(batch, heads, tgt_len, src_len)
+    causal = bool(a.get("is_causal", False)) and mask is None
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    out = out.permute(2, 0, 1, 3).reshape(tgt_len * batch, embed)
+    out = F.linear(out, a["out_proj_weight"], a["out_proj_bias"])
+    return out.view(tgt_len, batch, embed), None
+
+
 ShardTensor.register_function_handler(F.scaled_dot_product_attention, _sdpa_handler)
+ShardTensor.register_function_handler(F.multi_head_attention_forward, _mha_handler)

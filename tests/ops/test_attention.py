@@ -120,3 +120,34 @@ def _rejects_dropout():
 
 def test_unsupported_attention_raises_with_reason():
     run_on_ranks(2, _rejects_dropout)
+
+
+class _SelfAttention(torch.nn.Module):
+    def __init__(self, causal: bool) -> None:
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+        self.causal = causal
+
+    def forward(self, x):
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).triu(1) if self.causal else None
+        return self.attn(x, x, x, need_weights=False, attn_mask=mask)[0]
+
+
+def _mha(mesh_shape, causal):
+    mesh = get_mesh(mesh_shape)
+    torch.manual_seed(0)
+    x = torch.randn(2, 11, 8)
+    placements = [Shard(1)] if mesh.ndim == 1 else [Shard(0), Shard(1)]
+    assert_sharded_matches(_SelfAttention(causal), [x], mesh, [placements], atol=1e-5, rtol=1e-4)
+    with pytest.raises(ShardedOpError, match="need_weights=True"):
+        _SelfAttention(causal).attn(*(distribute_tensor(x, mesh, placements),) * 3)
+    return True
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mesh_shape", LAYOUTS, ids=str)
+def test_multihead_attention_module_matches_single_device(mesh_shape, causal):
+    world = 1
+    for s in mesh_shape:
+        world *= s
+    run_on_ranks(world, _mha, mesh_shape, causal)
