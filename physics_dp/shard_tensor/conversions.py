@@ -123,6 +123,8 @@ class _FromLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        if not ctx.needs_input_grad[0]:
+            return None, None
         return _local_contribution_grad(grad, ctx.spec), None
 
 
@@ -164,6 +166,8 @@ class _Redistribute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        if not ctx.needs_input_grad[0]:
+            return None, None
         return redistribute_to_spec(grad, grad_target_spec(ctx.src)), None
 
 
@@ -232,6 +236,8 @@ class _ReplicatePlain(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        if not ctx.needs_input_grad[0]:
+            return None, None
         if isinstance(grad, ShardTensor):
             grad = redistribute_to_spec(grad, ctx.spec).to_local()
         return grad, None
