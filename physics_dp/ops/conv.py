@@ -1,0 +1,365 @@
+"""Convolutions, transposed convolutions and ``F.pad`` on spatially sharded ShardTensors.
+
+Each rank owns an exact, contiguous range of output positions along every sharded spatial dim:
+output ``j`` belongs to the rank owning the input row at the centre of its receptive field
+(clamped to the grid), so a stride-1 'same' convolution keeps the input's split and strides
+that do not align with shard boundaries neither drop nor duplicate rows.  The rank gathers
+the input window its outputs read (:func:`physics_dp.ops.halo.gather_window`: only the rows
+peers own are sent), runs the ordinary local op, and wraps the result with the new split.
+
+A transposed convolution gathers the inputs that contribute to its output range, runs the
+local transposed convolution without padding and bias, trims or zero-extends the result to
+its range, then adds the bias.  ``F.pad`` (also what ``nn.Conv*d`` calls for
+``padding_mode != 'zeros'``) is the same window gather with the padding's edge mode.
+
+Every decision depends only on global shapes and splits, so all ranks run the same
+collectives and the same autograd graph, empty shards included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..shard_tensor import Partial, Replicate, ShardTensor
+from ._local import ShardedOpError, local_input, local_param, sharded_axes, wrap_local
+from .halo import Window, gather_window
+
+__all__ = [
+    "conv_output_split",
+    "conv_windows",
+    "transposed_output_split",
+    "transposed_windows",
+    "pad_output_split",
+]
+
+_CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+_TRANSPOSED_ARGS = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups", "dilation")
+_PAD_ARGS = ("input", "pad", "mode", "value")
+_DEFAULTS = {
+    "bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1, "output_padding": 0,
+    "mode": "constant", "value": None,
+}
+
+# func -> (number of spatial dims, transposed)
+_CONVS = {
+    F.conv1d: (1, False),
+    F.conv2d: (2, False),
+    F.conv3d: (3, False),
+    F.conv_transpose1d: (1, True),
+    F.conv_transpose2d: (2, True),
+    F.conv_transpose3d: (3, True),
+}
+
+
+# ----- geometry: pure functions of the split, identical on every rank -------------------------
+def _ranges(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    ranges, start = [], 0
+    for size in sizes:
+        ranges.append((start, start + size))
+        start += size
+    return ranges
+
+
+def _split_at(sizes: Sequence[int], out_extent: int, boundary: Callable[[int], int]) -> tuple[int, ...]:
+    """Output extents per rank, where a slab starting at input row ``o`` starts its outputs at ``boundary(o)``.
+
+    ``boundary`` must be non-decreasing; the first rows go to the first rank and the last to
+    the last rank whatever it says, so padding rows are owned too.
+    """
+    extent = sum(sizes)
+    cuts = [
+        0 if o <= 0 else out_extent if o >= extent else min(max(boundary(o), 0), out_extent)
+        for o, _ in _ranges(sizes)
+    ]
+    cuts.append(out_extent)
+    return tuple(b - a for a, b in zip(cuts, cuts[1:]))
+
+
+def conv_output_split(
+    sizes: Sequence[int], out_extent: int, kernel: int, stride: int, dilation: int, pad_left: int
+) -> tuple[int, ...]:
+    """Output extents per rank: output ``j`` goes to the owner of input row ``j*stride - pad_left + span//2``."""
+    shift = pad_left - dilation * (kernel - 1) // 2
+    return _split_at(sizes, out_extent, lambda o: -(-(o + shift) // stride))
+
+
+def conv_windows(
+    out_sizes: Sequence[int], in_sizes: Sequence[int], kernel: int, stride: int, dilation: int, pad_left: int
+) -> tuple[Window, ...]:
+    """The input rows (padding included, as out-of-range rows) each rank's outputs read."""
+    windows = []
+    for (a, b), (o, _) in zip(_ranges(out_sizes), _ranges(in_sizes)):
+        first = a * stride - pad_left
+        windows.append((first, first + (b - a - 1) * stride + dilation * (kernel - 1) + 1) if b > a else (o, o))
+    return tuple(windows)
+
+
+def transposed_output_split(
+    sizes: Sequence[int], out_extent: int, kernel: int, stride: int, dilation: int, padding: int
+) -> tuple[int, ...]:
+    """Output extents per rank: output ``y`` goes to the owner of input row ``(y + padding - span//2) // stride``."""
+    shift = dilation * (kernel - 1) // 2 - padding
+    return _split_at(sizes, out_extent, lambda o: o * stride + shift)
+
+
+def transposed_windows(
+    out_sizes: Sequence[int], in_sizes: Sequence[int], kernel: int, stride: int, dilation: int, padding: int
+) -> tuple[tuple[Window, ...], tuple[int, ...]]:
+    """The input rows contributing to each rank's outputs, and the output where each local result starts.
+
+    Input row ``i`` tap ``t`` adds to output ``i*stride - padding + t*dilation``.  A rank whose
+    outputs get no contribution (bias only) reads nothing and starts at its first output.
+    """
+    span, extent = dilation * (kernel - 1), sum(in_sizes)
+    windows, origins = [], []
+    for (a, b), (o, _) in zip(_ranges(out_sizes), _ranges(in_sizes)):
+        lo = max(0, -(-(a + padding - span) // stride))
+        hi = min(extent, (b - 1 + padding) // stride + 1)
+        if b > a and hi > lo:
+            windows.append((lo, hi))
+            origins.append(lo * stride - padding)
+        else:
+            windows.append((o, o))
+            origins.append(a)
+    return tuple(windows), tuple(origins)
+
+
+def pad_output_split(sizes: Sequence[int], out_extent: int, pad_left: int) -> tuple[int, ...]:
+    """Output extents per rank of ``F.pad``: each keeps its rows, the edge ranks get the padding."""
+    return _split_at(sizes, out_extent, lambda o: o + pad_left)
+
+
+# ----- argument handling ----------------------------------------------------------------------
+def _bind(names: Sequence[str], args: tuple, kwargs: dict) -> dict[str, Any]:
+    bound = dict(zip(names, args))
+    for name in names[len(args):]:
+        bound[name] = kwargs.get(name, _DEFAULTS.get(name))
+    return bound
+
+
+def _per_dim(value: Any, nd: int) -> tuple[int, ...]:
+    if isinstance(value, int):
+        return (value,) * nd
+    value = tuple(int(v) for v in value)
+    return value * nd if len(value) == 1 else value
+
+
+def _meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.empty(value.shape, dtype=value.dtype, device="meta")
+    return value
+
+
+def _global_shape(func: Any, bound: dict[str, Any]) -> torch.Size:
+    """The single-device output shape; running torch's own shape checks raises its own errors."""
+    return func(*(_meta(v) for v in bound.values())).shape
+
+
+def _conv_padding(padding: Any, kernel: Sequence[int], dilation: Sequence[int], nd: int) -> list[tuple[int, int]]:
+    """(left, right) padding per spatial dim, 'same' and 'valid' resolved as torch does."""
+    if padding == "valid":
+        return [(0, 0)] * nd
+    if padding == "same":
+        spans = [d * (k - 1) for d, k in zip(dilation, kernel)]
+        return [(s // 2, s - s // 2) for s in spans]
+    return [(p, p) for p in _per_dim(padding, nd)]
+
+
+def _stencils(bound: dict[str, Any], nd: int, leading_padding: Sequence[int]) -> list[tuple[int, int, int, int]]:
+    """(kernel, stride, dilation, leading padding) per spatial dim."""
+    kernel = tuple(bound["weight"].shape[2:])
+    stride, dilation = _per_dim(bound["stride"], nd), _per_dim(bound["dilation"], nd)
+    return list(zip(kernel, stride, dilation, leading_padding))
+
+
+def _check_layout(op: str, x: Any, params: Sequence[Any], channel_dim: int | None) -> None:
+    """Raise ShardedOpError for layouts a local stencil cannot serve exactly."""
+    shards = [t for t in (x, *params) if isinstance(t, ShardTensor)]
+    if not isinstance(x, ShardTensor):
+        reason = "the input must be a ShardTensor when a parameter is one; distribute the input"
+        raise ShardedOpError(op, shards, reason)
+    if any(type(p) is Partial for p in x.placements):
+        reason = "the input has a pending reduction (Partial); redistribute it to Replicate or Shard first"
+        raise ShardedOpError(op, shards, reason)
+    if channel_dim is not None and any(dim == channel_dim for _, dim in sharded_axes(x)):
+        reason = (
+            f"the input is sharded on the channel dim {channel_dim}, which the op mixes; shard batch or spatial "
+            "dims instead (redistribute that mesh axis to Replicate or to a spatial Shard first)"
+        )
+        raise ShardedOpError(op, shards, reason)
+    for param in params:
+        if isinstance(param, ShardTensor) and any(type(p) is not Replicate for p in param.placements):
+            raise ShardedOpError(op, shards, "weight and bias must be plain tensors or replicated ShardTensors")
+
+
+def _axis_of(x: ShardTensor) -> dict[int, int]:
+    """tensor dim -> mesh axis sharding it."""
+    return {dim: axis for axis, dim in sharded_axes(x)}
+
+
+def _gather(
+    local: torch.Tensor, x: ShardTensor, dim: int, windows: Sequence[Window], mode: str = "constant", value: float = 0.0
+) -> torch.Tensor:
+    """``gather_window`` over the mesh axis that shards ``dim`` of ``x``."""
+    axis = _axis_of(x)[dim]
+    group = x.device_mesh.get_group(axis)
+    return gather_window(local, dim, x._spec.axis_sizes[axis], windows, group=group, mode=mode, value=value)
+
+
+def _pad_dim(t: torch.Tensor, dim: int, left: int, right: int) -> torch.Tensor:
+    """Zero-extend (positive) or trim (negative) ``t`` along one dim."""
+    if left == 0 and right == 0:
+        return t
+    pads = [0, 0] * (t.ndim - 1 - dim) + [left, right]
+    return F.pad(t, pads)
+
+
+# ----- convolution ----------------------------------------------------------------------------
+def _inside(window: Window, extent: int) -> Window:
+    """The part of ``window`` inside the grid ``[0, extent)`` (possibly empty)."""
+    lo = min(max(window[0], 0), extent)
+    return lo, max(min(window[1], extent), lo)
+
+
+def _outside(window: Window, extent: int) -> tuple[int, int]:
+    """How many rows of ``window`` lie before and after the grid."""
+    lo, hi = window
+    return max(0, min(hi, 0) - lo), max(0, hi - max(lo, extent))
+
+
+def _gather_sharded(local: torch.Tensor, x: ShardTensor, windows_by_dim: dict[int, tuple[Window, ...]]) -> torch.Tensor:
+    """Gather each sharded dim's windows in turn, rows beyond the grid as zeros.
+
+    Zero rows of all but the last dim are made locally after the exchanges, so a later
+    exchange (W after H) never sends padding.
+    """
+    axis_of, coordinate = _axis_of(x), x._spec.coordinate()
+    dims = list(windows_by_dim)
+    edges = []
+    for dim in dims:
+        windows = windows_by_dim[dim]
+        if dim != dims[-1]:
+            edges.append((dim, *_outside(windows[coordinate[axis_of[dim]]], x.shape[dim])))
+            windows = tuple(_inside(w, x.shape[dim]) for w in windows)
+        local = _gather(local, x, dim, windows)
+    for dim, left, right in edges:
+        local = _pad_dim(local, dim, left, right)
+    return local
+
+
+def _conv(func: Any, bound: dict[str, Any], nd: int) -> ShardTensor:
+    x = bound["input"]
+    out_shape = _global_shape(func, bound)
+    spec, axis_of = x._spec, _axis_of(x)
+    padding = _conv_padding(bound["padding"], bound["weight"].shape[2:], _per_dim(bound["dilation"], nd), nd)
+    stencils = _stencils(bound, nd, [left for left, _ in padding])
+    spatial = list(enumerate(range(x.ndim - nd, x.ndim)))
+    axis_sizes, windows, counts = list(spec.axis_sizes), {}, {}
+    for i, dim in spatial:
+        if dim in axis_of:
+            axis = axis_of[dim]
+            out_sizes = conv_output_split(spec.axis_sizes[axis], out_shape[dim], *stencils[i])
+            windows[dim] = conv_windows(out_sizes, spec.axis_sizes[axis], *stencils[i])
+            axis_sizes[axis], counts[dim] = out_sizes, out_sizes[spec.coordinate()[axis]]
+    local = _gather_sharded(local_input(x), x, windows)
+    local_padding = []
+    for i, dim in spatial:
+        left, right = padding[i]
+        if dim not in axis_of and left == right:
+            local_padding.append(left)  # a dim held whole with symmetric padding: torch pads it
+            continue
+        if dim not in axis_of:
+            local = _pad_dim(local, dim, left, right)  # 'same' with an even span
+        # an empty output range still runs the op (same graph and collectives on every rank)
+        kernel, _, dilation, _ = stencils[i]
+        local = _pad_dim(local, dim, 0, max(0, dilation * (kernel - 1) + 1 - local.shape[dim]))
+        local_padding.append(0)
+    weight, bias = local_param(bound["weight"], x), local_param(bound["bias"], x)
+    y = func(local, weight, bias, bound["stride"], tuple(local_padding), bound["dilation"], bound["groups"])
+    for dim, count in counts.items():
+        if y.shape[dim] != count:
+            y = y.narrow(dim, 0, count)
+    return wrap_local(y, x, out_shape, axis_sizes)
+
+
+def _conv_transpose(func: Any, bound: dict[str, Any], nd: int) -> ShardTensor:
+    x = bound["input"]
+    out_shape = _global_shape(func, bound)
+    spec, axis_of = x._spec, _axis_of(x)
+    padding, output_padding = list(_per_dim(bound["padding"], nd)), list(_per_dim(bound["output_padding"], nd))
+    stencils = _stencils(bound, nd, padding)
+    axis_sizes, windows, targets = list(spec.axis_sizes), {}, {}
+    for i, dim in enumerate(range(x.ndim - nd, x.ndim)):
+        if dim in axis_of:
+            axis = axis_of[dim]
+            sizes, me = spec.axis_sizes[axis], spec.coordinate()[axis]
+            out_sizes = transposed_output_split(sizes, out_shape[dim], *stencils[i])
+            windows[dim], origins = transposed_windows(out_sizes, sizes, *stencils[i])
+            axis_sizes[axis] = out_sizes
+            targets[dim] = (sum(out_sizes[:me]) - origins[me], out_sizes[me])  # (first output, count) locally
+            padding[i], output_padding[i] = 0, 0
+    local = _gather_sharded(local_input(x), x, windows)
+    for dim in targets:
+        local = _pad_dim(local, dim, 0, max(0, 1 - local.shape[dim]))  # a bias-only range still runs the op
+    weight, groups = local_param(bound["weight"], x), bound["groups"]
+    y = func(local, weight, None, bound["stride"], tuple(padding), tuple(output_padding), groups, bound["dilation"])
+    for dim, (first, count) in targets.items():
+        y = _pad_dim(y, dim, -first, first + count - y.shape[dim])
+    if bound["bias"] is not None:
+        y = y + local_param(bound["bias"], x).reshape(-1, *([1] * nd))
+    return wrap_local(y, x, out_shape, axis_sizes)
+
+
+def _conv_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
+    nd, transposed = _CONVS[func]
+    bound = _bind(_TRANSPOSED_ARGS if transposed else _CONV_ARGS, args, kwargs)
+    x = bound["input"]
+    channel_dim = x.ndim - nd - 1 if isinstance(x, torch.Tensor) else None
+    _check_layout(func.__name__, x, (bound["weight"], bound["bias"]), channel_dim)
+    if not any(dim >= x.ndim - nd for _, dim in sharded_axes(x)):
+        return _local_run(func, bound)
+    return _conv_transpose(func, bound, nd) if transposed else _conv(func, bound, nd)
+
+
+def _local_run(func: Any, bound: dict[str, Any]) -> ShardTensor:
+    """No spatial dim is split (batch-sharded or replicated): every rank computes its own slab."""
+    x = bound["input"]
+    out_shape = _global_shape(func, bound)
+    weight, bias = local_param(bound["weight"], x), local_param(bound["bias"], x)
+    values = dict(bound, input=local_input(x), weight=weight, bias=bias)
+    return wrap_local(func(*values.values()), x, out_shape, x._spec.axis_sizes)
+
+
+# ----- F.pad ----------------------------------------------------------------------------------
+def _pad_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
+    bound = _bind(_PAD_ARGS, args, kwargs)
+    x, pad, mode, value = bound["input"], tuple(bound["pad"]), bound["mode"], bound["value"]
+    _check_layout("pad", x, (), None)
+    out_shape = _global_shape(func, bound)
+    axis_of = _axis_of(x)
+    local = local_input(x)
+    axis_sizes = list(x._spec.axis_sizes)
+    fill = 0.0 if value is None else float(value)
+    for i in range(len(pad) // 2):
+        dim, left, right = x.ndim - 1 - i, pad[2 * i], pad[2 * i + 1]
+        if left == 0 and right == 0:
+            continue
+        if dim in axis_of:
+            axis = axis_of[dim]
+            out_sizes = pad_output_split(x._spec.axis_sizes[axis], out_shape[dim], left)
+            windows = tuple((a - left, b - left) for a, b in _ranges(out_sizes))
+            local = _gather(local, x, dim, windows, mode, fill)
+            axis_sizes[axis] = out_sizes
+        else:
+            extent = local.shape[dim]
+            local = gather_window(local, dim, (extent,), ((-left, extent + right),), mode=mode, value=fill)
+    return wrap_local(local, x, out_shape, axis_sizes)
+
+
+for _func in _CONVS:
+    ShardTensor.register_function_handler(_func, _conv_handler)
+ShardTensor.register_function_handler(F.pad, _pad_handler)

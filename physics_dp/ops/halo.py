@@ -1,0 +1,361 @@
+"""Halo exchange: give each rank the rows of a sharded dim that its stencil needs beyond its slab.
+
+The primitive is a *window gather*: every rank asks for a range ``[lo, hi)`` of global rows of
+one sharded dim (its ranges may differ, e.g. a strided convolution's exact output split), rows
+outside ``[0, extent)`` are filled by a global edge mode (constant, reflect, replicate,
+circular), and each rank sends each peer exactly the rows that peer's window takes from it, by
+point-to-point messages.  A window may reach past a neighbour's shard (small or empty shards),
+so peers need not be adjacent.  A plan depends only on the split, the windows and the mode,
+never on data, so every rank derives its peers' needs itself and plans are cached.
+
+The backward pass sends each halo row's gradient back to the rank that owns the row, where it
+is added to the slab gradient.  A 2-D decomposition exchanges one sharded dim after the other;
+the second exchange carries the first one's halo rows, so corners are right.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+from torch.distributed import ProcessGroup
+
+from ..distributed import collectives
+from ..shard_tensor import ShardTensorSpec
+
+__all__ = [
+    "EDGE_MODES",
+    "CONSTANT",
+    "Window",
+    "Segment",
+    "WindowPlan",
+    "plan_window",
+    "uniform_windows",
+    "gather_window",
+    "halo_exchange",
+    "halo_exchange_nd",
+]
+
+EDGE_MODES = ("constant", "reflect", "replicate", "circular")
+CONSTANT = -1  # the source of rows filled with the constant value
+
+Window = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of window rows taken from one piece: rows ``start, start + step, ...`` (``length`` of them).
+
+    The piece is this rank's slab (``source`` = this rank), the rows received from peer
+    ``source``, or the constant row (``source`` = ``CONSTANT``).  ``step`` is 1 (ascending),
+    -1 (reflected) or 0 (one row repeated: replicate, constant).
+    """
+
+    source: int
+    start: int
+    length: int
+    step: int
+
+    @property
+    def last(self) -> int:
+        return self.start + self.step * (self.length - 1)
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    """What one rank sends, receives and assembles so that it holds its window of a sharded dim."""
+
+    me: int
+    sends: tuple[tuple[int, tuple[int, ...]], ...]  # (peer, slab rows the peer takes from me)
+    receives: tuple[tuple[int, int], ...]  # (peer, number of distinct rows I take from it)
+    segments: tuple[Segment, ...]
+
+
+# ----- planning (pure functions of the split; identical on every rank) ------------------------
+def uniform_windows(sizes: Sequence[int], left: int, right: int) -> tuple[Window, ...]:
+    """Every rank's slab widened by ``left`` rows before and ``right`` rows after it."""
+    windows, start = [], 0
+    for size in sizes:
+        windows.append((start - left, start + size + right))
+        start += size
+    return tuple(windows)
+
+
+def _source_row(row: int, extent: int, mode: str) -> int | None:
+    """The global row whose value window row ``row`` takes; ``None`` for the constant."""
+    if 0 <= row < extent:
+        return row
+    if mode == "constant":
+        return None
+    if extent == 0:
+        raise ValueError(f"{mode} edge mode needs rows to copy, but the sharded dim is empty")
+    if mode == "replicate":
+        return min(max(row, 0), extent - 1)
+    if mode == "circular":
+        return row % extent
+    reflected = -row if row < 0 else 2 * (extent - 1) - row
+    if not 0 <= reflected < extent:
+        raise ValueError(f"reflect edge mode reaches row {row}, beyond one reflection of an extent of {extent}")
+    return reflected
+
+
+def _window_sources(
+    window: Window, rank: int, starts: Sequence[int], sizes: Sequence[int], mode: str
+) -> list[tuple[int, int]]:
+    """(owner or CONSTANT, global row) of every row of ``rank``'s window outside its own slab, in order.
+
+    Rows inside the rank's slab are its own and are left out (see :func:`_own_range`).
+    """
+    lo, hi = window
+    start, size = starts[rank], sizes[rank]
+    extent = starts[-1] + sizes[-1]
+    rows = [*range(lo, min(hi, start)), *range(max(lo, start + size), hi)]
+    out = []
+    for row in rows:
+        source = _source_row(row, extent, mode)
+        owner = CONSTANT if source is None else bisect.bisect_right(starts, source) - 1
+        out.append((owner, 0 if source is None else source))
+    return out
+
+
+def _own_range(window: Window, start: int, size: int) -> tuple[int, int]:
+    """The part of a window inside the rank's own slab, as global rows [a, b)."""
+    a, b = max(window[0], start), min(window[1], start + size)
+    return a, max(a, b)
+
+
+def _merge(segments: list[Segment], new: Segment) -> None:
+    """Append ``new``, extending the last segment when it continues it with one step."""
+    if segments:
+        last = segments[-1]
+        step = new.start - last.last
+        if (
+            last.source == new.source
+            and step in (-1, 0, 1)
+            and (last.length == 1 or last.step == step)
+            and (new.length == 1 or new.step == step)
+        ):
+            segments[-1] = Segment(last.source, last.start, last.length + new.length, step)
+            return
+    segments.append(new)
+
+
+def _sends(
+    starts: Sequence[int], sizes: Sequence[int], windows: Sequence[Window], me: int, mode: str
+) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """(peer, local rows) for every peer whose window takes rows from ``me``'s slab."""
+    sends = []
+    for peer, window in enumerate(windows):
+        if peer != me:
+            rows = sorted({row for owner, row in _window_sources(window, peer, starts, sizes, mode) if owner == me})
+            if rows:
+                sends.append((peer, tuple(row - starts[me] for row in rows)))
+    return tuple(sends)
+
+
+def _assembly(
+    starts: Sequence[int], sizes: Sequence[int], window: Window, me: int, mode: str
+) -> tuple[tuple[tuple[int, int], ...], tuple[Segment, ...]]:
+    """(peer, rows received) and the segments that build ``me``'s window from its pieces."""
+    mine = _window_sources(window, me, starts, sizes, mode)
+    taken: dict[int, set[int]] = {}
+    for owner, row in mine:
+        if owner not in (me, CONSTANT):
+            taken.setdefault(owner, set()).add(row)
+    position = {owner: {row: i for i, row in enumerate(sorted(rows))} for owner, rows in taken.items()}
+
+    def segment(owner: int, row: int) -> Segment:
+        index = 0 if owner == CONSTANT else row - starts[me] if owner == me else position[owner][row]
+        return Segment(owner, index, 1, 1)
+
+    own_lo, own_hi = _own_range(window, starts[me], sizes[me])
+    before = max(0, min(window[1], starts[me]) - window[0])
+    segments: list[Segment] = []
+    for owner, row in mine[:before]:
+        _merge(segments, segment(owner, row))
+    if own_hi > own_lo:
+        _merge(segments, Segment(me, own_lo - starts[me], own_hi - own_lo, 1))
+    for owner, row in mine[before:]:
+        _merge(segments, segment(owner, row))
+    receives = tuple((owner, len(rows)) for owner, rows in sorted(taken.items()))
+    return receives, tuple(segments)
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_window(sizes: tuple[int, ...], windows: tuple[Window, ...], me: int, mode: str) -> WindowPlan:
+    """The plan for rank ``me`` when rank ``r`` of the group needs global rows ``windows[r]``."""
+    if mode not in EDGE_MODES:
+        raise ValueError(f"unknown edge mode {mode!r}; expected one of {EDGE_MODES}")
+    if len(windows) != len(sizes) or any(hi < lo for lo, hi in windows):
+        raise ValueError(f"need one window (lo <= hi) per rank for sizes {sizes}, got {windows}")
+    starts = [0]
+    for size in sizes[:-1]:
+        starts.append(starts[-1] + size)
+    receives, segments = _assembly(starts, sizes, windows[me], me, mode)
+    return WindowPlan(me, _sends(starts, sizes, windows, me, mode), receives, segments)
+
+
+# ----- execution ----------------------------------------------------------------------------
+def _rows(tensor: torch.Tensor, dim: int, rows: Sequence[int]) -> torch.Tensor:
+    """``tensor``'s rows along ``dim`` (a narrow for a contiguous run, else a gather)."""
+    if rows[-1] - rows[0] + 1 == len(rows):
+        return tensor.narrow(dim, rows[0], len(rows))
+    return tensor.index_select(dim, torch.tensor(rows, device=tensor.device))
+
+
+def _add_rows(target: torch.Tensor, dim: int, rows: Sequence[int], values: torch.Tensor) -> None:
+    if rows[-1] - rows[0] + 1 == len(rows):
+        target.narrow(dim, rows[0], len(rows)).add_(values)
+    else:
+        target.index_add_(dim, torch.tensor(rows, device=target.device), values)
+
+
+def _with_extent(shape: Sequence[int], dim: int, extent: int) -> list[int]:
+    shape = list(shape)
+    shape[dim] = extent
+    return shape
+
+
+def _exchange(
+    sends: Mapping[int, torch.Tensor],
+    recv_shapes: Mapping[int, Sequence[int]],
+    group: ProcessGroup | None,
+    like: torch.Tensor,
+) -> dict[int, torch.Tensor]:
+    if not sends and not recv_shapes:
+        return {}
+    dtype, device = like.dtype, like.device
+    return collectives.exchange_with_neighbours(dict(sends), dict(recv_shapes), group, dtype=dtype, device=device)
+
+
+def _segment_rows(piece: torch.Tensor, dim: int, segment: Segment) -> torch.Tensor:
+    if segment.step == 1:
+        return piece.narrow(dim, segment.start, segment.length)
+    if segment.step == -1:
+        return piece.narrow(dim, segment.last, segment.length).flip(dim)
+    return piece.narrow(dim, segment.start, 1).expand(_with_extent(piece.shape, dim, segment.length))
+
+
+def _accumulate_segment(grad_piece: torch.Tensor, dim: int, segment: Segment, grad: torch.Tensor) -> None:
+    if segment.step == 1:
+        grad_piece.narrow(dim, segment.start, segment.length).add_(grad)
+    elif segment.step == -1:
+        grad_piece.narrow(dim, segment.last, segment.length).add_(grad.flip(dim))
+    else:
+        grad_piece.narrow(dim, segment.start, 1).add_(grad.sum(dim, keepdim=True))
+
+
+class _GatherWindow(torch.autograd.Function):
+    """Forward: assemble the window from the slab, peers' rows and the constant.  Backward: the reverse."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, local: torch.Tensor, plan: WindowPlan, dim: int, group: ProcessGroup | None, value: float
+    ) -> torch.Tensor:
+        ctx.plan, ctx.dim, ctx.group, ctx.local_shape = plan, dim, group, local.shape
+        sends = {peer: _rows(local, dim, rows) for peer, rows in plan.sends}
+        recv_shapes = {peer: _with_extent(local.shape, dim, count) for peer, count in plan.receives}
+        pieces = _exchange(sends, recv_shapes, group, local)
+        pieces[plan.me] = local
+        if any(s.source == CONSTANT for s in plan.segments):
+            pieces[CONSTANT] = local.new_full(_with_extent(local.shape, dim, 1), value)
+        if not plan.segments:
+            return local.new_empty(_with_extent(local.shape, dim, 0))
+        return torch.cat([_segment_rows(pieces[s.source], dim, s) for s in plan.segments], dim)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        plan, dim = ctx.plan, ctx.dim
+        grad_local = grad.new_zeros(ctx.local_shape)
+        grad_pieces = {peer: grad.new_zeros(_with_extent(grad.shape, dim, count)) for peer, count in plan.receives}
+        grad_pieces[plan.me] = grad_local
+        position = 0
+        for segment in plan.segments:
+            if segment.source != CONSTANT:
+                piece_grad = grad.narrow(dim, position, segment.length)
+                _accumulate_segment(grad_pieces[segment.source], dim, segment, piece_grad)
+            position += segment.length
+        sends = {peer: grad_pieces[peer] for peer, _ in plan.receives}
+        recv_shapes = {peer: _with_extent(grad.shape, dim, len(rows)) for peer, rows in plan.sends}
+        returned = _exchange(sends, recv_shapes, ctx.group, grad)
+        for peer, rows in plan.sends:
+            _add_rows(grad_local, dim, rows, returned[peer])
+        return grad_local, None, None, None, None
+
+
+def gather_window(
+    local: torch.Tensor,
+    dim: int,
+    sizes: Sequence[int],
+    windows: Sequence[Window],
+    *,
+    group: ProcessGroup | None = None,
+    mode: str = "constant",
+    value: float = 0.0,
+) -> torch.Tensor:
+    """Global rows ``windows[me]`` of dim ``dim``, split over ``group`` as ``sizes``.  Differentiable.
+
+    ``windows[r]`` is rank ``r``'s range ``[lo, hi)``: every rank passes all of them, so each
+    knows what its peers take from it.  ``group=None`` means a dim held whole (one rank): the
+    edge mode is then applied locally, without communication.
+    """
+    me = dist.get_rank(group) if group is not None else 0
+    if local.shape[dim] != sizes[me]:
+        raise ValueError(f"slab extent {local.shape[dim]} along dim {dim} disagrees with the split {tuple(sizes)}")
+    plan = plan_window(tuple(int(s) for s in sizes), tuple((int(lo), int(hi)) for lo, hi in windows), me, mode)
+    return _GatherWindow.apply(local, plan, dim, group, value)
+
+
+def halo_exchange(
+    local: torch.Tensor,
+    spec: ShardTensorSpec,
+    axis: int,
+    left: int,
+    right: int,
+    *,
+    mode: str = "constant",
+    value: float = 0.0,
+) -> torch.Tensor:
+    """This rank's slab widened by ``left``/``right`` rows of the dim sharded over mesh ``axis``.
+
+    Rows come from whichever ranks own them (past an adjacent shard if it is small or empty);
+    rows beyond the global edges follow ``mode``.  Only the rows a peer needs are sent.
+    """
+    dim = spec.shard_dim(axis)
+    if dim is None:
+        raise ValueError(f"mesh axis {axis} does not shard {spec}; halo exchange needs a Shard placement")
+    sizes = spec.axis_sizes[axis]
+    windows = uniform_windows(sizes, left, right)
+    return gather_window(local, dim, sizes, windows, group=spec.mesh.get_group(axis), mode=mode, value=value)
+
+
+def halo_exchange_nd(
+    local: torch.Tensor,
+    spec: ShardTensorSpec,
+    widths: Mapping[int, tuple[int, int]],
+    *,
+    mode: str = "constant",
+    value: float = 0.0,
+) -> torch.Tensor:
+    """Widen several dims (``{tensor dim: (left, right)}``) one after the other.
+
+    Sharded dims exchange in mesh-axis order, each carrying the halos already gathered, so a 2-D
+    decomposition gets its corner rows; dims held whole get their edge rows locally.
+    """
+    axis_of = {spec.shard_dim(axis): axis for axis in spec.sharded_axes()}
+    for dim in sorted(widths, key=lambda d: (d not in axis_of, axis_of.get(d, d))):
+        left, right = widths[dim]
+        if dim in axis_of:
+            local = halo_exchange(local, spec, axis_of[dim], left, right, mode=mode, value=value)
+        elif left or right:
+            extent = local.shape[dim]
+            local = gather_window(local, dim, (extent,), ((-left, extent + right),), mode=mode, value=value)
+    return local

@@ -1,0 +1,308 @@
+"""Convolutions and transposed convolutions on spatially sharded grids: exact, with exact halo bytes.
+
+Every case runs sharded and on one device (``assert_sharded_matches``: outputs, input grads and
+parameter grads) on 1-4 ranks and on a 2x2 mesh (two spatial dims over the two mesh axes), with
+balanced, uneven and skewed splits (one-row and empty shards, so halos reach past neighbours).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from physics_dp.distributed.collectives import count_communication
+from physics_dp.ops._local import ShardedOpError
+from physics_dp.ops.conv import conv_output_split, transposed_output_split
+from physics_dp.shard_tensor import Partial, Replicate, Shard, ShardTensor, distribute_tensor
+from physics_dp.testing import get_mesh, run_on_ranks
+from physics_dp.testing.compare import assert_sharded_matches
+
+from .test_halo import EXTENTS, LAYOUTS, SKEWED_H, SKEWED_W, SPLITS, world_of
+
+
+class UpsampleTo(nn.Module):
+    """A transposed conv asked for an output size (torch derives output_padding from global shapes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.ConvTranspose2d(3, 4, 3, stride=2, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(x, output_size=[2 * x.shape[2], 2 * x.shape[3]])
+
+
+def _spatial_1d(mesh):
+    """Placements for (N, C, L): L over the mesh (over axis 1 on 2-D meshes, batch over axis 0)."""
+    return [Shard(2)] if mesh.ndim == 1 else [Shard(0), Shard(2)]
+
+
+def _spatial(first, second):
+    """First sharded dim over axis 0; on 2-D meshes the second over axis 1."""
+    return lambda mesh: [Shard(first)] if mesh.ndim == 1 else [Shard(first), Shard(second)]
+
+
+def _hw(mesh):
+    return _spatial(2, 3)(mesh)
+
+
+def _grid(factory, n=2, c=3):
+    """A case on an (n, c, H, W) field sharded over H (and W on 2-D meshes)."""
+    return factory, lambda h, w: [(n, c, h, w)], _hw
+
+
+def _line(factory):
+    """A case on an (2, 3, L) signal: L over 1-D meshes; batch x L on 2-D meshes."""
+    return factory, lambda h, w: [(2, 3, h)], _spatial_1d
+
+
+# name -> (module or fn factory, input shapes from (H, W), placements from mesh)
+# In the shapes, H and W are the extents of the split under test; dims sharded on axis 0 get H.
+CASES = {
+    "conv2d_k3_p1": _grid(lambda: nn.Conv2d(3, 4, 3, padding=1)),
+    "conv2d_k3_s2_p1": _grid(lambda: nn.Conv2d(3, 4, 3, stride=2, padding=1)),
+    "conv2d_k2_s2_patchify": _grid(lambda: nn.Conv2d(3, 4, 2, stride=2)),
+    "conv2d_k4_same_dil2": _grid(lambda: nn.Conv2d(3, 4, 4, padding="same", dilation=2)),
+    "conv2d_k5_valid_nobias": _grid(lambda: nn.Conv2d(3, 2, 5, padding="valid", bias=False), n=1),
+    "conv2d_k3x5_s2x1_p0x2_d1x2": _grid(
+        lambda: nn.Conv2d(3, 4, (3, 5), stride=(2, 1), padding=(0, 2), dilation=(1, 2))
+    ),
+    "conv2d_groups3": _grid(lambda: nn.Conv2d(6, 9, 3, padding=1, groups=3), n=1, c=6),
+    "conv2d_depthwise_k5": _grid(lambda: nn.Conv2d(4, 4, 5, padding=2, groups=4), n=1, c=4),
+    "conv2d_1x1": _grid(lambda: nn.Conv2d(3, 5, 1)),
+    "conv2d_k3_s3_p2_d2": _grid(lambda: nn.Conv2d(3, 4, 3, stride=3, padding=2, dilation=2)),
+    "conv2d_k1_s2_p2": _grid(lambda: nn.Conv2d(3, 4, 1, stride=2, padding=2), n=1),
+    "conv2d_reflect": _grid(lambda: nn.Conv2d(3, 4, 3, padding=2, padding_mode="reflect")),
+    "conv2d_circular": _grid(lambda: nn.Conv2d(3, 4, 3, padding=1, padding_mode="circular")),
+    "conv2d_replicate_s2": _grid(lambda: nn.Conv2d(3, 4, 4, stride=2, padding=(2, 1), padding_mode="replicate")),
+    "conv2d_functional_same_plain_weight": (
+        lambda: (lambda x, weight, bias: F.conv2d(x, weight, bias, padding="same")),
+        lambda h, w: [(2, 3, h, w), (4, 3, 2, 3), (4,)],
+        lambda mesh: [_hw(mesh), None, None],
+    ),
+    "conv2d_w_over_axis0_h_over_axis1": (
+        lambda: nn.Conv2d(3, 4, 3, padding=1),
+        lambda h, w: [(2, 3, w, h)],
+        _spatial(3, 2),
+    ),
+    "conv2d_batch_and_h": (
+        lambda: nn.Conv2d(3, 4, 3, padding=1),
+        lambda h, w: [(4, 3, h, w)],
+        lambda mesh: [Shard(2)] if mesh.ndim == 1 else [Shard(0), Shard(2)],
+    ),
+    "conv2d_replicated_axis": (
+        lambda: nn.Conv2d(3, 4, 3, stride=2, padding=1),
+        lambda h, w: [(2, 3, h, w)],
+        lambda mesh: [Shard(2)] if mesh.ndim == 1 else [Shard(2), Replicate()],
+    ),
+    "conv2d_batch_only": (
+        lambda: nn.Conv2d(3, 4, 3, padding=1),
+        lambda h, w: [(h, 3, 6, 5)],
+        lambda mesh: [Shard(0)] if mesh.ndim == 1 else [Shard(0), Replicate()],
+    ),
+    "conv2d_unbatched": (lambda: nn.Conv2d(3, 4, 3, stride=2, padding=1), lambda h, w: [(3, h, w)], _spatial(1, 2)),
+    "conv_transpose2d_k3_s2_p1_op1": _grid(lambda: nn.ConvTranspose2d(3, 4, 3, stride=2, padding=1, output_padding=1)),
+    "conv_transpose2d_output_size": _grid(UpsampleTo, n=1),
+    "conv_transpose2d_k2_s2": _grid(lambda: nn.ConvTranspose2d(3, 4, 2, stride=2)),
+    "conv_transpose2d_k4_s2_p1_groups": _grid(lambda: nn.ConvTranspose2d(3, 6, 4, stride=2, padding=1, groups=3), n=1),
+    "conv_transpose2d_k1_s3_p1_gaps": _grid(lambda: nn.ConvTranspose2d(3, 4, 1, stride=3, padding=1), n=1),
+    "conv_transpose2d_k3_d2_p1_nobias": _grid(lambda: nn.ConvTranspose2d(3, 4, 3, padding=1, dilation=2, bias=False)),
+    "conv_transpose2d_k3x2_s3x2_p1x0_op2x1": _grid(
+        lambda: nn.ConvTranspose2d(3, 2, (3, 2), stride=(3, 2), padding=(1, 0), output_padding=(2, 1)), n=1
+    ),
+    "conv_transpose2d_functional": (
+        lambda: (lambda x, weight: F.conv_transpose2d(x, weight, stride=(2, 3), padding=(2, 1), dilation=(2, 1))),
+        lambda h, w: [(2, 3, h, w), (3, 2, 3, 4)],
+        lambda mesh: [_hw(mesh), None],
+    ),
+    "conv1d_k3_p1": _line(lambda: nn.Conv1d(3, 4, 3, padding=1)),
+    "conv1d_k5_s2_p2": _line(lambda: nn.Conv1d(3, 4, 5, stride=2, padding=2)),
+    "conv1d_circular_same": _line(lambda: nn.Conv1d(3, 4, 4, padding="same", padding_mode="circular")),
+    "conv_transpose1d_k3_s2_p1_op1": _line(lambda: nn.ConvTranspose1d(3, 4, 3, stride=2, padding=1, output_padding=1)),
+    "conv3d_k3_p1_depth": (lambda: nn.Conv3d(2, 3, 3, padding=1), lambda h, w: [(1, 2, h, w, 4)], _spatial(2, 3)),
+    "conv3d_k312_s211_width": (
+        lambda: nn.Conv3d(2, 3, (3, 1, 2), stride=(2, 1, 1), padding=(1, 0, 0)),
+        lambda h, w: [(1, 2, 4, w, h)],
+        _spatial(4, 3),
+    ),
+    "conv_transpose3d_k2_s2": (
+        lambda: nn.ConvTranspose3d(2, 3, 2, stride=2),
+        lambda h, w: [(1, 2, h, w, 3)],
+        _spatial(2, 3),
+    ),
+    "conv_transpose3d_k3_s2_p1_hw": (
+        lambda: nn.ConvTranspose3d(2, 2, 3, stride=(1, 2, 2), padding=1, output_padding=(0, 1, 0)),
+        lambda h, w: [(1, 2, 3, h, w)],
+        _spatial(3, 4),
+    ),
+}
+
+
+def _sizes(kind, shape, placements, mesh):
+    """The split of every sharded axis: balanced, or skewed (one-row and empty shards)."""
+    if kind != "skewed":
+        return None
+    table = (SKEWED_H, SKEWED_W)
+    sizes = {}
+    for axis, placement in enumerate(placements):
+        if isinstance(placement, Shard) and mesh.size(axis) > 1:
+            skew = table[axis].get(mesh.size(axis), table[0][mesh.size(axis)])
+            sizes[axis] = skew(shape[placement.dim])
+    return sizes
+
+
+def _conv_cases(mesh_shape, split, names):
+    mesh = get_mesh(mesh_shape)
+    h, w = EXTENTS[split]
+    for index, name in enumerate(names):
+        factory, shapes_of, placements_of = CASES[name]
+        shapes = shapes_of(h, w)
+        generator = torch.Generator().manual_seed(index)
+        inputs = [torch.randn(shape, generator=generator) for shape in shapes]
+        placements = placements_of(mesh)
+        placements = placements if isinstance(placements[0], (list, type(None))) else [placements]
+        placements += [None] * (len(inputs) - len(placements))
+        sizes = [None if p is None else _sizes(split, shape, p, mesh) for p, shape in zip(placements, shapes)]
+        torch.manual_seed(index)
+        fn = factory()
+        try:
+            report = assert_sharded_matches(fn, inputs, mesh, placements, sharding_sizes=sizes)
+        except Exception as error:
+            raise AssertionError(f"{name} on mesh {mesh_shape}, {split} split {sizes}: {error}") from error
+        assert report.output_placements == [tuple(placements[0])], f"{name}: {report.output_placements}"
+    return len(names)
+
+
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize("mesh_shape", LAYOUTS, ids=str)
+def test_conv_family_matches_single_device(mesh_shape, split):
+    names = sorted(CASES)
+    world = world_of(mesh_shape)
+    assert run_on_ranks(world, _conv_cases, mesh_shape, split, names, timeout=120) == [len(names)] * world
+
+
+# ----- exact output splits ----------------------------------------------------------------------
+def test_output_splits_keep_same_convolutions_aligned_and_strided_ones_exact():
+    # stride 1 'same' (k=3, p=1; k=4 'same' pads 1 left): the input split is kept
+    # arguments: split, output extent, kernel, stride, dilation, leading padding
+    assert conv_output_split((5, 0, 8), 13, 3, 1, 1, 1) == (5, 0, 8)
+    assert conv_output_split((5, 0, 8), 13, 4, 1, 1, 1) == (5, 0, 8)
+    # stride 2 over odd shards: output j belongs to the owner of row 2j (k=3, p=1)
+    assert conv_output_split((3, 3, 3, 3), 6, 3, 2, 1, 1) == (2, 1, 2, 1)
+    # 'valid' k=3: output j is centred on row j+1
+    assert conv_output_split((1, 12), 11, 3, 1, 1, 0) == (0, 11)
+    # transposed k=2 s=2 and k=4 s=2 p=1: every input row yields exactly two outputs
+    assert transposed_output_split((3, 4, 0), 14, 2, 2, 1, 0) == (6, 8, 0)
+    assert transposed_output_split((3, 4, 0), 14, 4, 2, 1, 1) == (6, 8, 0)
+
+
+# ----- communication ------------------------------------------------------------------------------
+def _conv_bytes(mesh_shape, kernel, stride, padding):
+    """Bytes each rank sends in a conv2d's forward and backward, by kind."""
+    mesh = get_mesh(mesh_shape)
+    placements = [Shard(2)] if mesh.ndim == 1 else [Shard(2), Shard(3)]
+    x = distribute_tensor(torch.randn(2, 3, 12, 8), mesh, placements).requires_grad_(True)
+    conv = nn.Conv2d(3, 4, kernel, stride=stride, padding=padding)
+    with count_communication() as forward:
+        y = conv(x)
+    with count_communication() as backward:
+        y.backward(torch.ones_like(y))
+    return (
+        tuple(mesh.get_coordinate()),
+        [(r.kind, r.bytes_sent) for r in forward.records],
+        [(r.kind, r.bytes_sent) for r in backward.records],
+    )
+
+
+def _p2p(records):
+    return sorted(b for kind, b in records if kind == "p2p")
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_conv_halo_sends_exactly_the_halo_rows(world):
+    row = 2 * 3 * 8 * 4  # N * C * W float32
+    weight_and_bias = [("all_reduce", 4 * 3 * 3 * 3 * 4), ("all_reduce", 4 * 4)]
+    for (c,), forward, backward in run_on_ranks(world, _conv_bytes, (world,), 3, 1, 1):
+        neighbours = (c > 0) + (c < world - 1)
+        assert forward == [("p2p", row)] * neighbours, (c, forward)
+        assert _p2p(backward) == [row] * neighbours, (c, backward)
+        assert sorted(r for r in backward if r[0] != "p2p") == sorted(weight_and_bias), (c, backward)
+
+
+def test_conv_halo_of_two_rows_and_a_strided_conv():
+    row = 2 * 3 * 8 * 4
+    for (c,), forward, _ in run_on_ranks(3, _conv_bytes, (3,), 5, 1, 2):
+        assert forward == [("p2p", 2 * row)] * ((c > 0) + (c < 2)), (c, forward)
+    # 12 rows on 4 ranks, k=3 s=2 p=1: outputs split (2, 1, 2, 1); rank 0 needs row 3, rank 2 rows 5 and 9
+    sent = {c: _p2p(forward) for (c,), forward, _ in run_on_ranks(4, _conv_bytes, (4,), 3, 2, 1)}
+    assert sent == {0: [], 1: [row, row], 2: [], 3: [row]}
+
+
+def test_conv_halo_on_2x2_mesh_sends_rows_then_columns_with_corners():
+    # (2, 3, 12, 8) split 6+6 over H (axis 0) and 4+4 over W (axis 1), k=3 p=1:
+    # H exchange: one row of N*C*4; W exchange: one column of N*C*(6 + 1 halo row), no padding rows.
+    for coordinate, forward, _ in run_on_ranks(4, _conv_bytes, (2, 2), 3, 1, 1):
+        assert forward == [("p2p", 2 * 3 * 4 * 4), ("p2p", 2 * 3 * 7 * 4)], (coordinate, forward)
+
+
+def _one_by_one_sends_nothing(world):
+    mesh = get_mesh((world,))
+    x = distribute_tensor(torch.randn(2, 3, 9, 4), mesh, [Shard(2)]).requires_grad_(True)
+    with count_communication() as forward:
+        y = nn.Conv2d(3, 4, 1)(x)
+    with count_communication() as backward:
+        y.backward(torch.ones_like(y))
+    return forward.calls, backward.kinds()
+
+
+def test_one_by_one_conv_sends_nothing_forward():
+    for calls, backward in run_on_ranks(3, _one_by_one_sends_nothing, 3):
+        assert calls == 0
+        assert backward == ["all_reduce", "all_reduce"]  # weight and bias gradients only
+
+
+# ----- unsupported layouts ------------------------------------------------------------------------
+def _unsupported_layouts_raise():
+    mesh = get_mesh((2,))
+    x = torch.randn(2, 4, 6, 5)
+    conv = nn.Conv2d(4, 4, 3, padding=1)
+    messages = []
+    channel = distribute_tensor(x, mesh, [Shard(1)])
+    with pytest.raises(ShardedOpError) as info:
+        conv(channel)
+    messages.append(str(info.value))
+    partial = ShardTensor.from_local(x, mesh, [Partial("sum")])
+    with pytest.raises(ShardedOpError) as info:
+        F.conv_transpose2d(partial, torch.randn(4, 2, 3, 3))
+    messages.append(str(info.value))
+    sharded_weight = distribute_tensor(torch.randn(4, 4, 3, 3), mesh, [Shard(0)])
+    with pytest.raises(ShardedOpError) as info:
+        F.conv2d(distribute_tensor(x, mesh, [Shard(2)]), sharded_weight)
+    messages.append(str(info.value))
+    with pytest.raises(ShardedOpError) as info:
+        F.pad(partial, (1, 1))
+    messages.append(str(info.value))
+    return messages
+
+
+def test_unsupported_layouts_raise_naming_op_placements_and_reason():
+    channel, partial, weight, pad = run_on_ranks(2, _unsupported_layouts_raise)[0]
+    assert "conv2d" in channel and "Shard(dim=1)" in channel and "channel dim 1" in channel and "Replicate" in channel
+    assert "conv_transpose2d" in partial and "Partial" in partial and "redistribute" in partial
+    assert "conv2d" in weight and "Shard(dim=0)" in weight and "replicated" in weight
+    assert pad.startswith("pad") and "Partial" in pad
+
+
+def _invalid_arguments_raise_like_torch():
+    mesh = get_mesh((2,))
+    x = distribute_tensor(torch.randn(1, 3, 8, 8), mesh, [Shard(2)])
+    with pytest.raises(RuntimeError, match="not supported for strided"):
+        F.conv2d(x, torch.randn(4, 3, 3, 3), padding="same", stride=2)
+    with pytest.raises(RuntimeError, match="Padding size should be less"):
+        F.pad(x, (0, 0, 8, 0), mode="reflect")
+    return True
+
+
+def test_invalid_arguments_raise_torch_errors():
+    assert all(run_on_ranks(2, _invalid_arguments_raise_like_torch))
