@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 from ..distributed import collectives
 from ..shard_tensor import Replicate, Shard, ShardTensor, ShardTensorSpec
@@ -59,9 +60,17 @@ class _SumGradOverAxes(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        for axis in ctx.axes:
-            grad = collectives.all_reduce(grad, "sum", ctx.mesh.get_group(axis))
+        for group in _groups_spanning(ctx.mesh, ctx.axes):
+            grad = collectives.all_reduce(grad, "sum", group)
         return grad, None, None
+
+
+def _groups_spanning(mesh, axes: tuple[int, ...]) -> list:
+    """Process groups whose successive sums cover ``axes``: one world-wide group when the axes
+    are the whole mesh and the mesh is the whole job (one collective instead of one per axis)."""
+    if len(axes) > 1 and len(axes) == mesh.ndim and mesh.size() == dist.get_world_size():
+        return [dist.group.WORLD]
+    return [mesh.get_group(axis) for axis in axes]
 
 
 def sum_grad_over_axes(tensor: torch.Tensor, mesh, axes: Sequence[int]) -> torch.Tensor:
