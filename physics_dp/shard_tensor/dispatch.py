@@ -53,6 +53,7 @@ def register_function_handler(func: Any, handler: FunctionHandler) -> None:
 
 def register_dispatch_handler(op: torch._ops.OpOverload, handler: DispatchHandler) -> None:
     _dispatch_handlers[op] = handler
+    _aten_plans.clear()
 
 
 # ----- pointwise torch functions (the fast path before the dispatcher) ----------------------
@@ -106,10 +107,12 @@ def _pointwise_function_fast_path(func: Any, args: tuple, kwargs: dict) -> Any:
         if isinstance(arg, cls):
             if spec is None:
                 spec = arg._spec
-            elif arg._spec is not spec and arg._spec != spec:
-                return NotImplemented
+            elif arg._spec is not spec:
+                if arg._spec != spec:
+                    return NotImplemented
+                arg._spec = spec  # equal specs become one object: the next check is an `is`
             if grad_mode and arg.requires_grad:
-                return NotImplemented
+                return _NEEDS_AUTOGRAD
             local_args.append(arg._local_tensor)
         elif isinstance(arg, torch.Tensor):
             if arg.ndim or (grad_mode and arg.requires_grad):
@@ -126,6 +129,14 @@ def _pointwise_function_fast_path(func: Any, args: tuple, kwargs: dict) -> Any:
     if func in _INPLACE_POINTWISE_FUNCTIONS or kwargs.get("inplace"):
         return args[0]
     return cls(result, spec)
+
+
+_NEEDS_AUTOGRAD = object()  # the fast path's answer when an input needs the autograd path
+
+
+def _only_shard_tensors(args: tuple) -> bool:
+    cls = _ShardTensor
+    return all(isinstance(a, cls) or not isinstance(a, (torch.Tensor, list, tuple)) for a in args)
 
 
 def _replicate_plain_grad_tensors(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -160,11 +171,16 @@ def torch_function(cls: type, func: Any, types: tuple, args: tuple = (), kwargs:
     handler = _function_handlers.get(func)
     if handler is not None:
         return handler(func, types, args, kwargs)
-    if func in _ALL_POINTWISE_FUNCTIONS:
-        result = _pointwise_function_fast_path(func, args, kwargs)
-        if result is not NotImplemented:
-            return result
-    return run_default(func, args, kwargs)
+    # Below the handlers, tensor properties (``requires_grad``, ...) must not re-enter this
+    # function: each re-entry costs microseconds, a third of a small op's overhead.
+    with torch._C.DisableTorchFunctionSubclass():
+        if func in _ALL_POINTWISE_FUNCTIONS:
+            result = _pointwise_function_fast_path(func, args, kwargs)
+            if result is _NEEDS_AUTOGRAD and not kwargs and _only_shard_tensors(args):
+                return func(*args)  # nothing plain to replicate: straight to the dispatcher
+            if result is not NotImplemented and result is not _NEEDS_AUTOGRAD:
+                return result
+        return _run_default_unguarded(func, args, kwargs)
 
 
 def run_default(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -172,29 +188,29 @@ def run_default(func: Any, args: tuple, kwargs: dict) -> Any:
 
     Handlers that decline a call (an unsupported layout they leave to the fallback) end here.
     """
+    with torch._C.DisableTorchFunctionSubclass():
+        return _run_default_unguarded(func, args, kwargs)
+
+
+def _run_default_unguarded(func: Any, args: tuple, kwargs: dict) -> Any:
     if torch.is_grad_enabled():
         args, kwargs = _replicate_plain_grad_tensors(args, kwargs)
-    with torch._C.DisableTorchFunctionSubclass():
-        return func(*args, **kwargs)
+    return func(*args, **kwargs)
 
 
 # ----- aten level ---------------------------------------------------------------------------
 _NOT_POINTWISE, _POINTWISE, _POINTWISE_INPLACE = 0, 1, 2
-_aten_kind: dict[torch._ops.OpOverload, int] = {}
+# op -> (registered handler or None, pointwise kind): one lookup per op on the hot path
+_aten_plans: dict[torch._ops.OpOverload, tuple[DispatchHandler | None, int]] = {}
 
 
 def _classify(op: torch._ops.OpOverload) -> int:
-    kind = _aten_kind.get(op)
-    if kind is None:
-        schema = op._schema
-        if torch.Tag.pointwise not in op.tags or any(a.is_out for a in schema.arguments):
-            kind = _NOT_POINTWISE
-        elif schema.arguments and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write:
-            kind = _POINTWISE_INPLACE
-        else:
-            kind = _POINTWISE
-        _aten_kind[op] = kind
-    return kind
+    schema = op._schema
+    if torch.Tag.pointwise not in op.tags or any(a.is_out for a in schema.arguments):
+        return _NOT_POINTWISE
+    if schema.arguments and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write:
+        return _POINTWISE_INPLACE
+    return _POINTWISE
 
 
 def _pointwise_aten_local(op: torch._ops.OpOverload, args: tuple, kwargs: dict, kind: int) -> Any:
@@ -205,8 +221,10 @@ def _pointwise_aten_local(op: torch._ops.OpOverload, args: tuple, kwargs: dict, 
         if isinstance(arg, cls):
             if spec is None:
                 spec = arg._spec
-            elif arg._spec is not spec and arg._spec != spec:
-                return NotImplemented
+            elif arg._spec is not spec:
+                if arg._spec != spec:
+                    return NotImplemented
+                arg._spec = spec
             local_args.append(arg._local_tensor)
         elif isinstance(arg, torch.Tensor) and arg.ndim:
             return NotImplemented
@@ -217,7 +235,7 @@ def _pointwise_aten_local(op: torch._ops.OpOverload, args: tuple, kwargs: dict, 
     for value in kwargs.values():
         if isinstance(value, torch.Tensor):
             return NotImplemented
-    result = op(*local_args, **kwargs)
+    result = op._op(*local_args, **kwargs)
     if kind == _POINTWISE_INPLACE:
         return args[0]
     if kwargs.get("memory_format") is torch.contiguous_format and spec.stride != contiguous_strides(spec.shape):
@@ -232,10 +250,12 @@ def _pointwise_aten_local(op: torch._ops.OpOverload, args: tuple, kwargs: dict, 
 def torch_dispatch(cls: type, op: torch._ops.OpOverload, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
     if kwargs is None:
         kwargs = {}
-    handler = _dispatch_handlers.get(op)
+    plan = _aten_plans.get(op)
+    if plan is None:
+        plan = _aten_plans[op] = (_dispatch_handlers.get(op), _classify(op))
+    handler, kind = plan
     if handler is not None:
         return handler(op, args, kwargs)
-    kind = _classify(op)
     if kind != _NOT_POINTWISE:
         result = _pointwise_aten_local(op, args, kwargs, kind)
         if result is not NotImplemented:

@@ -40,7 +40,6 @@ class ShardTensor(torch.Tensor):
             strides=spec.stride,
             dtype=local_tensor.dtype,
             device=local_tensor.device,
-            layout=local_tensor.layout,
             requires_grad=requires_grad,
         )
         wrapper._local_tensor = local_tensor
