@@ -25,6 +25,7 @@ __all__ = [
     "sharded_axes",
     "data_axes",
     "sum_grad_over_axes",
+    "groups_spanning",
     "ShardedOpError",
 ]
 
@@ -60,12 +61,12 @@ class _SumGradOverAxes(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        for group in _groups_spanning(ctx.mesh, ctx.axes):
+        for group in groups_spanning(ctx.mesh, ctx.axes):
             grad = collectives.all_reduce(grad, "sum", group)
         return grad, None, None
 
 
-def _groups_spanning(mesh, axes: tuple[int, ...]) -> list:
+def groups_spanning(mesh, axes: tuple[int, ...]) -> list:
     """Process groups whose successive sums cover ``axes``: one world-wide group when the axes
     are the whole mesh and the mesh is the whole job (one collective instead of one per axis)."""
     if len(axes) > 1 and len(axes) == mesh.ndim and mesh.size() == dist.get_world_size():

@@ -1,0 +1,368 @@
+"""Sharded group, batch, instance and layer norm equal one device, forward, backward and running stats.
+
+Layouts: 1-4 ranks sharding H; a 2x2 mesh sharding H over one axis and W over the other; a
+("data", "domain") 2x2 mesh sharding the batch and H.  Splits: even, uneven (13 rows, 7
+columns, 3 samples) and skewed explicit sizes with an empty shard.  One rank-function call runs
+every split and variant of a family on a layout; a failure names the combination.  The layout
+helpers here are shared with ``test_reductions.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from physics_dp.distributed.collectives import count_communication
+from physics_dp.ops._local import ShardedOpError
+from physics_dp.shard_tensor import Partial, Replicate, Shard, ShardTensor, distribute_tensor
+from physics_dp.testing import get_mesh, run_on_ranks
+from physics_dp.testing.compare import assert_sharded_matches
+
+# name -> (mesh shape, mesh axis names, tensor dim sharded by each mesh axis)
+LAYOUTS = {
+    "1": ((1,), ("domain",), (2,)),
+    "2": ((2,), ("domain",), (2,)),
+    "3": ((3,), ("domain",), (2,)),
+    "4": ((4,), ("domain",), (2,)),
+    "2x2-HxW": ((2, 2), ("h", "w"), (2, 3)),
+    "2x2-data-domain": ((2, 2), ("data", "domain"), (0, 2)),
+}
+# (N, C, H, W) per split kind; "skewed" uses explicit sizes with an empty shard
+SHAPES = {"even": (4, 4, 12, 8), "uneven": (3, 4, 13, 7), "skewed": (3, 4, 13, 7)}
+
+
+def world_of(layout: str) -> int:
+    shape = LAYOUTS[layout][0]
+    return shape[0] * (shape[1] if len(shape) > 1 else 1)
+
+
+def skewed_sizes(extent: int, parts: int) -> list[int]:
+    """One empty shard (the first, or the second when there are more than two), one row elsewhere, the rest last."""
+    sizes = [1] * parts
+    sizes[1 if parts > 2 else 0] = 0
+    sizes[-1] = extent - sum(sizes[:-1])
+    return sizes
+
+
+def sharding(layout: str, split: str, shape: tuple[int, ...]):
+    """(mesh, placements, sharding sizes or None) for a tensor of ``shape`` on ``layout``."""
+    mesh_shape, names, dims = LAYOUTS[layout]
+    mesh = get_mesh(mesh_shape, names)
+    placements = [Shard(d) for d in dims]
+    sizes = None
+    if split == "skewed":
+        sizes = {axis: skewed_sizes(shape[d], mesh_shape[axis]) for axis, d in enumerate(dims)}
+    return mesh, placements, sizes
+
+
+def randn(shape: tuple[int, ...], seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def run_combos(combos: dict[str, Callable[[], None]]) -> list[str]:
+    """Run each check; re-raise a failure with the name of its combination."""
+    for name, check in combos.items():
+        try:
+            check()
+        except Exception as error:
+            raise AssertionError(f"{name}: {type(error).__name__}: {error}") from error
+    return list(combos)
+
+
+# ----- module checks --------------------------------------------------------------------------------
+def _randomize(module: nn.Module, seed: int = 3) -> nn.Module:
+    """Non-trivial affine parameters and running statistics, so every gradient and buffer is tested."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for tensor in module.parameters():
+            tensor.copy_(1 + 0.5 * torch.randn(tensor.shape, generator=generator))
+        for name, buffer in module.named_buffers():
+            if name.endswith("running_mean"):
+                buffer.copy_(torch.randn(buffer.shape, generator=generator))
+            elif name.endswith("running_var"):
+                buffer.copy_(0.5 + torch.rand(buffer.shape, generator=generator))
+    return module
+
+
+def _check_module(module: nn.Module, x: torch.Tensor, mesh, placements, sizes, warmup_calls: int = 0) -> None:
+    """Outputs and all gradients match; running buffers match a reference that saw the same calls."""
+    module = _randomize(module)
+    reference = copy.deepcopy(module)
+    for _ in range(warmup_calls):
+        module(distribute_tensor(x, mesh, placements, sizes))
+        reference(x)
+    assert_sharded_matches(module, [x], mesh, [placements], sharding_sizes=[sizes])
+    reference(x)
+    expected = dict(reference.named_buffers())
+    for name, buffer in module.named_buffers():
+        torch.testing.assert_close(buffer, expected[name], atol=1e-5, rtol=1e-5, msg=lambda m: f"buffer {name}: {m}")
+
+
+def _module_combos(layout: str, split: str, builders: dict[str, Callable[[tuple], tuple | None]]) -> dict[str, Callable]:
+    """Each builder maps the 4-D base shape to (module, input shape, warmup calls), or None if not applicable."""
+    combos = {}
+    for variant, build in builders.items():
+        spec = build(SHAPES[split])
+        if spec is None:
+            continue
+        module, shape, warmup = spec
+
+        def check(module=module, shape=shape, warmup=warmup):
+            mesh, placements, sizes = sharding(layout, split, shape)
+            _check_module(module, randn(shape), mesh, placements, sizes, warmup)
+
+        combos[f"{variant} on {layout} ({split}, shape {shape})"] = check
+    return combos
+
+
+def _three_d(shape: tuple, layout: str) -> tuple | None:
+    """(N, C, H): only where no mesh axis shards W."""
+    return None if 3 in LAYOUTS[layout][2] else shape[:3]
+
+
+def _five_d(shape: tuple) -> tuple:
+    return (*shape, 2)
+
+
+def _group_norm_builders(layout: str) -> dict:
+    return {
+        "GroupNorm(2, 4)": lambda s: (nn.GroupNorm(2, 4), s, 0),
+        "GroupNorm(4, 4, affine=False)": lambda s: (nn.GroupNorm(4, 4, affine=False), s, 0),
+        "GroupNorm(1, 4, eps=1e-3)": lambda s: (nn.GroupNorm(1, 4, eps=1e-3), s, 0),
+        "GroupNorm(2, 4) 5-D": lambda s: (nn.GroupNorm(2, 4), _five_d(s), 0),
+        "GroupNorm(2, 4) 3-D": lambda s: _three_d(s, layout) and (nn.GroupNorm(2, 4), _three_d(s, layout), 0),
+    }
+
+
+def _batch_norm_builders(layout: str) -> dict:
+    return {
+        "BatchNorm2d train": lambda s: (nn.BatchNorm2d(4), s, 0),
+        "BatchNorm2d train affine=False momentum=0.3": lambda s: (nn.BatchNorm2d(4, affine=False, momentum=0.3), s, 0),
+        "BatchNorm2d momentum=None, 2 calls": lambda s: (nn.BatchNorm2d(4, momentum=None), s, 1),
+        "BatchNorm2d no running stats": lambda s: (nn.BatchNorm2d(4, track_running_stats=False), s, 0),
+        "BatchNorm2d eval": lambda s: (nn.BatchNorm2d(4).eval(), s, 0),
+        "BatchNorm3d train": lambda s: (nn.BatchNorm3d(4), _five_d(s), 0),
+        "BatchNorm1d train": lambda s: _three_d(s, layout) and (nn.BatchNorm1d(4), _three_d(s, layout), 0),
+    }
+
+
+def _instance_norm_builders(layout: str) -> dict:
+    return {
+        "InstanceNorm2d": lambda s: (nn.InstanceNorm2d(4), s, 0),
+        "InstanceNorm2d affine, running stats": lambda s: (
+            nn.InstanceNorm2d(4, affine=True, track_running_stats=True), s, 0,
+        ),
+        "InstanceNorm2d eval with running stats": lambda s: (
+            nn.InstanceNorm2d(4, affine=True, track_running_stats=True).eval(), s, 0,
+        ),
+        "InstanceNorm3d affine": lambda s: (nn.InstanceNorm3d(4, affine=True), _five_d(s), 0),
+    }
+
+
+def _layer_norm_builders(layout: str) -> dict:
+    return {
+        "LayerNorm([C, H, W])": lambda s: (nn.LayerNorm(list(s[1:])), s, 0),
+        "LayerNorm([W])": lambda s: (nn.LayerNorm([s[3]]), s, 0),
+        "LayerNorm([H, W], no affine)": lambda s: (nn.LayerNorm(list(s[2:]), elementwise_affine=False), s, 0),
+        "LayerNorm([H, W], no bias)": lambda s: (nn.LayerNorm(list(s[2:]), bias=False), s, 0),
+        "LayerNorm([H, W, 2]) 5-D": lambda s: (nn.LayerNorm([s[2], s[3], 2]), _five_d(s), 0),
+    }
+
+
+# family -> (call with parameters passed as plain inputs, parameter shape from the input shape)
+FUNCTIONAL = {
+    "group_norm": (lambda x, w, b: F.group_norm(x, 2, w, b, eps=1e-2), lambda shape: shape[1:2]),
+    "layer_norm": (lambda x, w, b: F.layer_norm(x, x.shape[1:], w, b), lambda shape: shape[1:]),
+}
+
+
+def _functional_combo(layout: str, split: str, family: str) -> dict[str, Callable[[], None]]:
+    """F.group_norm / F.layer_norm with the parameters as inputs, so their gradients are compared."""
+    fn, param_shape = FUNCTIONAL[family]
+    shape = SHAPES[split]
+    mesh, placements, sizes = sharding(layout, split, shape)
+    inputs = [randn(shape), randn(param_shape(shape), seed=1), randn(param_shape(shape), seed=2)]
+
+    def check() -> None:
+        assert_sharded_matches(fn, inputs, mesh, [placements, None, None], sharding_sizes=[sizes, None, None])
+
+    return {f"F.{family} with parameters as inputs on {layout} ({split})": check}
+
+
+FAMILIES = {
+    "group_norm": _group_norm_builders,
+    "batch_norm": _batch_norm_builders,
+    "instance_norm": _instance_norm_builders,
+    "layer_norm": _layer_norm_builders,
+}
+
+
+def _check_family(layout: str, family: str) -> list[str]:
+    combos: dict[str, Callable[[], None]] = {}
+    for split in SHAPES:
+        combos.update(_module_combos(layout, split, FAMILIES[family](layout)))
+        if family in FUNCTIONAL:
+            combos.update(_functional_combo(layout, split, family))
+    return run_combos(combos)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_normalization_matches_single_device(layout: str, family: str) -> None:
+    checked = run_on_ranks(world_of(layout), _check_family, layout, family)[0]
+    assert len(checked) >= 3 * 4, checked
+
+
+# ----- communication --------------------------------------------------------------------------------
+def _group_norm_traffic(layout: str) -> list[dict[str, list[tuple[str, int]]]]:
+    """Collectives (kind, bytes) of GroupNorm forward and backward at a small and a large grid."""
+    traffic = []
+    for shape in ((2, 4, 13, 7), (2, 4, 61, 37)):
+        mesh, placements, _ = sharding(layout, "uneven", shape)
+        x = distribute_tensor(randn(shape), mesh, placements).requires_grad_(True)
+        module = nn.GroupNorm(2, 4)
+        with count_communication() as forward:
+            y = module(x)
+        split = {axis: sizes for axis, sizes in enumerate(y._spec.axis_sizes) if sizes}
+        cotangent = distribute_tensor(randn(shape, seed=9), mesh, y.placements, split)
+        with count_communication() as backward:
+            y.backward(cotangent)
+        traffic.append({
+            "forward": [(r.kind, r.bytes_sent) for r in forward.records],
+            "backward": sorted((r.kind, r.bytes_sent) for r in backward.records),
+        })
+    return traffic
+
+
+@pytest.mark.parametrize("layout", ["2", "4", "2x2-HxW", "2x2-data-domain"])
+def test_group_norm_communication_does_not_grow_with_the_grid(layout: str) -> None:
+    small, large = run_on_ranks(world_of(layout), _group_norm_traffic, layout)[0]
+    assert small == large
+    # forward: one all-gather of (count, mean, M2) over the ranks splitting H (and W); backward:
+    # one all-reduce of the sums of g and g * xhat, one for the weight and one for the bias grad
+    # (whole-mesh axes reduce in one collective over the job).
+    assert [kind for kind, _ in small["forward"]] == ["all_to_all"]
+    assert [kind for kind, _ in small["backward"]] == ["all_reduce"] * 3
+
+
+def _no_forward_communication() -> list[str]:
+    mesh, placements, sizes = sharding("2", "uneven", SHAPES["uneven"])
+    x = distribute_tensor(randn(SHAPES["uneven"]), mesh, placements, sizes)
+    modules = {
+        "LayerNorm over unsharded trailing W": nn.LayerNorm([SHAPES["uneven"][3]]),
+        "BatchNorm2d eval": _randomize(nn.BatchNorm2d(4)).eval(),
+        "InstanceNorm2d eval with running stats": _randomize(nn.InstanceNorm2d(4, track_running_stats=True)).eval(),
+    }
+    for name, module in modules.items():
+        with count_communication() as log:
+            module(x)
+        assert log.calls == 0, f"{name}: {log.kinds()}"
+    return list(modules)
+
+
+def test_unsharded_or_eval_normalization_needs_no_communication() -> None:
+    run_on_ranks(2, _no_forward_communication)
+
+
+def _batch_only() -> list[str]:
+    """Only the batch split (one sample on one rank, none on another): per-sample norms stay local,
+    batch statistics and instance norm's running averages span the ranks."""
+    mesh = get_mesh((3,))
+    shape = SHAPES["uneven"]
+    x = randn(shape)
+    combos = {}
+    for name, module, forward_calls in (
+        ("GroupNorm(2, 4)", nn.GroupNorm(2, 4), 0),
+        ("LayerNorm([C, H, W])", nn.LayerNorm(list(shape[1:])), 0),
+        ("BatchNorm2d train", nn.BatchNorm2d(4), 1),
+        ("InstanceNorm2d running stats", nn.InstanceNorm2d(4, track_running_stats=True), 2),
+    ):
+
+        def check(module=module, calls=forward_calls) -> None:
+            with count_communication() as log:
+                module(distribute_tensor(x, mesh, [Shard(0)], {0: [1, 0, 2]}))
+            assert log.calls == calls, log.kinds()
+            _check_module(module, x, mesh, [Shard(0)], {0: [1, 0, 2]})
+
+        combos[f"{name} with the batch split 1, 0, 2"] = check
+    return run_combos(combos)
+
+
+def test_batch_only_sharding() -> None:
+    run_on_ranks(3, _batch_only)
+
+
+# ----- numerics, precision, errors ------------------------------------------------------------------
+def _large_offset_combos() -> dict[str, Callable[[], None]]:
+    """1e8 + N(0, 1) in float64: E[x^2] - E[x]^2 loses every digit of the variance; merged M2 does not."""
+    shape = SHAPES["uneven"]
+    mesh, placements, sizes = sharding("3", "skewed", shape)
+    x = 1e8 + randn(shape, dtype=torch.float64)
+    naive = (x * x).mean() - x.mean() ** 2
+    assert abs(float(naive) - float(x.var(correction=0))) > 0.1, "the offset is too small to defeat the naive formula"
+    modules = {
+        "GroupNorm": nn.GroupNorm(2, 4).double(),
+        "BatchNorm2d": nn.BatchNorm2d(4).double(),
+        "InstanceNorm2d": nn.InstanceNorm2d(4, track_running_stats=True).double(),
+        "LayerNorm": nn.LayerNorm(list(shape[1:])).double(),
+    }
+    return {
+        f"{name} on 1e8 + N(0, 1)": (lambda m=m: _check_module(m, x, mesh, placements, sizes)) for name, m in modules.items()
+    }
+
+
+def _bfloat16_check() -> None:
+    shape = SHAPES["uneven"]
+    mesh, placements, sizes = sharding("3", "skewed", shape)
+    x = randn(shape).bfloat16()
+    module = nn.GroupNorm(2, 4).bfloat16()
+    assert_sharded_matches(module, [x], mesh, [placements], sharding_sizes=[sizes], atol=3e-2, rtol=3e-2)
+
+
+def _numerics() -> list[str]:
+    return run_combos({**_large_offset_combos(), "GroupNorm bfloat16": _bfloat16_check})
+
+
+def test_large_offset_and_low_precision() -> None:
+    run_on_ranks(3, _numerics)
+
+
+def _unsupported() -> list[str]:
+    mesh = get_mesh((2,))
+    x = distribute_tensor(randn((2, 4, 6, 5)), mesh, [Shard(1)])
+    messages = []
+    for name, call in {
+        "group_norm": lambda: F.group_norm(x, 2),
+        "batch_norm": lambda: F.batch_norm(x, None, None, training=True),
+        "instance_norm": lambda: F.instance_norm(x),
+    }.items():
+        with pytest.raises(ShardedOpError) as info:
+            call()
+        message = str(info.value)
+        assert name in message and "Shard(dim=1)" in message and "channel dim 1 is sharded" in message, message
+        messages.append(message)
+    return messages
+
+
+def test_sharded_channel_dim_raises_naming_op_placements_and_reason() -> None:
+    run_on_ranks(2, _unsupported)
+
+
+def _partial_input() -> bool:
+    """A pending sum is resolved before normalizing (normalization is not linear)."""
+    mesh = get_mesh((2,))
+    x = randn((2, 4, 6, 5))
+    xs = ShardTensor.from_local(x / 2, mesh, [Partial("sum")])
+    y = F.group_norm(xs, 2)
+    assert y.placements == (Replicate(),)
+    torch.testing.assert_close(y.full_tensor(), F.group_norm(x, 2))
+    return True
+
+
+def test_partial_input_is_reduced_first() -> None:
+    run_on_ranks(2, _partial_input)
