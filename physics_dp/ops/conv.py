@@ -34,6 +34,9 @@ __all__ = [
     "transposed_output_split",
     "transposed_windows",
     "pad_output_split",
+    "window_inside",
+    "window_outside",
+    "check_stencil_layout",
 ]
 
 _CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
@@ -176,7 +179,7 @@ def _stencils(bound: dict[str, Any], nd: int, leading_padding: Sequence[int]) ->
     return list(zip(kernel, stride, dilation, leading_padding))
 
 
-def _check_layout(op: str, x: Any, params: Sequence[Any], channel_dim: int | None) -> None:
+def check_stencil_layout(op: str, x: Any, params: Sequence[Any], channel_dim: int | None) -> None:
     """Raise ShardedOpError for layouts a local stencil cannot serve exactly."""
     shards = [t for t in (x, *params) if isinstance(t, ShardTensor)]
     if not isinstance(x, ShardTensor):
@@ -219,13 +222,13 @@ def _pad_dim(t: torch.Tensor, dim: int, left: int, right: int) -> torch.Tensor:
 
 
 # ----- convolution ----------------------------------------------------------------------------
-def _inside(window: Window, extent: int) -> Window:
+def window_inside(window: Window, extent: int) -> Window:
     """The part of ``window`` inside the grid ``[0, extent)`` (possibly empty)."""
     lo = min(max(window[0], 0), extent)
     return lo, max(min(window[1], extent), lo)
 
 
-def _outside(window: Window, extent: int) -> tuple[int, int]:
+def window_outside(window: Window, extent: int) -> tuple[int, int]:
     """How many rows of ``window`` lie before and after the grid."""
     lo, hi = window
     return max(0, min(hi, 0) - lo), max(0, hi - max(lo, extent))
@@ -243,8 +246,8 @@ def _gather_sharded(local: torch.Tensor, x: ShardTensor, windows_by_dim: dict[in
     for dim in dims:
         windows = windows_by_dim[dim]
         if dim != dims[-1]:
-            edges.append((dim, *_outside(windows[coordinate[axis_of[dim]]], x.shape[dim])))
-            windows = tuple(_inside(w, x.shape[dim]) for w in windows)
+            edges.append((dim, *window_outside(windows[coordinate[axis_of[dim]]], x.shape[dim])))
+            windows = tuple(window_inside(w, x.shape[dim]) for w in windows)
         local = _gather(local, x, dim, windows)
     for dim, left, right in edges:
         local = _pad_dim(local, dim, left, right)
@@ -319,7 +322,7 @@ def _conv_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
     bound = _bind(_TRANSPOSED_ARGS if transposed else _CONV_ARGS, args, kwargs)
     x = bound["input"]
     channel_dim = x.ndim - nd - 1 if isinstance(x, torch.Tensor) else None
-    _check_layout(func.__name__, x, (bound["weight"], bound["bias"]), channel_dim)
+    check_stencil_layout(func.__name__, x, (bound["weight"], bound["bias"]), channel_dim)
     if not any(dim >= x.ndim - nd for _, dim in sharded_axes(x)):
         return _local_run(func, bound)
     return _conv_transpose(func, bound, nd) if transposed else _conv(func, bound, nd)
@@ -338,7 +341,7 @@ def _local_run(func: Any, bound: dict[str, Any]) -> ShardTensor:
 def _pad_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
     bound = _bind(_PAD_ARGS, args, kwargs)
     x, pad, mode, value = bound["input"], tuple(bound["pad"]), bound["mode"], bound["value"]
-    _check_layout("pad", x, (), None)
+    check_stencil_layout("pad", x, (), None)
     out_shape = _global_shape(func, bound)
     axis_of = _axis_of(x)
     local = local_input(x)

@@ -1,0 +1,261 @@
+"""``F.interpolate`` / ``nn.Upsample`` on spatially sharded ShardTensors, exact forward and backward.
+
+Every supported mode is separable: along each resized dim, output ``j`` is a weighted sum of a
+few input rows (its *taps*), with rows and weights computed from global coordinates by torch's
+own formulas (:func:`dim_taps`).  Output ``j`` belongs to the rank owning its source row (the
+first tap, clamped to the grid); source rows never decrease with ``j``, so every rank owns a
+contiguous range.  The rank gathers the input rows its outputs' taps span (only rows peers own
+are sent; taps are clamped to the grid, so no edge rows are ever needed), then resamples each
+dim in turn with ``index_select`` and the weights.  ``mode='area'`` is adaptive average pooling,
+exact where it splits (see :mod:`physics_dp.ops.pooling`).  Without a sharded spatial dim
+(batch or channel shards) each rank runs torch's own op on its slab.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..shard_tensor import ShardTensor
+from ._local import ShardedOpError, local_input, sharded_axes, wrap_local
+from .conv import check_stencil_layout
+from .pooling import DimSplit, dim_split, gather_inside, output_axis_sizes, run_planewise
+
+__all__ = ["Taps", "dim_taps", "resample", "uses_vectorized_nearest"]
+
+_ARGS = ("input", "size", "scale_factor", "mode", "align_corners", "recompute_scale_factor", "antialias")
+_DEFAULTS = {"mode": "nearest", "antialias": False}
+_CUBIC_A = -0.75
+_ADAPTIVE_AVG = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.adaptive_avg_pool3d}
+
+
+@dataclass(frozen=True)
+class Taps:
+    """Every output's input rows (clamped to the grid) and weights along one dim.
+
+    ``rows`` is (outputs, taps); ``weights`` likewise, or None for the nearest modes (a copy).
+    ``source`` is the row that decides each output's owner: non-decreasing.
+    """
+
+    rows: torch.Tensor
+    weights: torch.Tensor | None
+    source: torch.Tensor
+
+
+# ----- torch's source-index formulas (computed in the precision torch uses) ---------------------
+def _nearest_rows(extent: int, out: int, scale: float | None, exact: bool, vectorized: bool, dtype: torch.dtype) -> torch.Tensor:
+    """Source rows of nearest (``floor(j * s)``) and nearest-exact (``floor((j + 0.5) * s)``).
+
+    torch has two CPU kernels that round differently: the vectorized one (see
+    :func:`uses_vectorized_nearest`) works in float32 and, for 'nearest', copies an unchanged extent
+    and halves the index of a doubled one whatever the scale factor says; the generic one works
+    in the input's precision and rounds to float32 before taking the floor.
+    """
+    j = torch.arange(out)
+    if vectorized:
+        if not exact and out == extent:
+            return j
+        if not exact and out == 2 * extent:
+            return j // 2
+        s = _scale_value(extent, out, scale, torch.float32)
+        position = ((j.double() + 0.5) * s.double()).float() if exact else j.float() * s
+    else:
+        s = _scale_value(extent, out, scale, dtype)
+        if exact:
+            source = (s.double() * (j.double() + 0.5) - 0.5).to(dtype).clamp(min=0)
+            position = source.float() + 0.5
+        else:
+            position = (s * j.to(dtype)).float()
+    return position.floor().long().clamp(max=extent - 1)
+
+
+def _scale_value(extent: int, out: int, scale: float | None, dtype: torch.dtype) -> torch.Tensor:
+    """Input rows per output row: ``1 / scale_factor`` when torch uses the factor, else ``extent / out``."""
+    if scale is not None and scale > 0:
+        return torch.tensor(1.0 / scale, dtype=dtype)
+    return torch.tensor(extent, dtype=dtype) / out
+
+
+def _linear_scale(extent: int, out: int, align_corners: bool, scale: float | None, dtype: torch.dtype) -> torch.Tensor:
+    if align_corners:
+        return torch.tensor(extent - 1, dtype=dtype) / (out - 1) if out > 1 else torch.zeros((), dtype=dtype)
+    return _scale_value(extent, out, scale, dtype)
+
+
+def _source_positions(extent: int, out: int, align_corners: bool, scale: float | None, dtype: torch.dtype, cubic: bool) -> torch.Tensor:
+    """Real-valued source coordinates; linear modes clamp them at 0, cubic keeps them."""
+    s = _linear_scale(extent, out, align_corners, scale, dtype)
+    if align_corners:
+        return s * torch.arange(out, dtype=dtype)
+    position = (s.double() * (torch.arange(out, dtype=torch.float64) + 0.5) - 0.5).to(dtype)  # torch: in double, then rounded
+    return position if cubic else position.clamp(min=0)
+
+
+def _floor_and_fraction(position: torch.Tensor, extent: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's guarded floor (at most the last row) and fraction (within [0, 1])."""
+    row = position.floor().long().clamp(max=extent - 1)
+    return row, (position - row.to(position.dtype)).clamp(0, 1)
+
+
+def _cubic_weights(t: torch.Tensor) -> torch.Tensor:
+    """Keys' cubic convolution weights (A = -0.75) of taps floor-1 .. floor+2 for fraction ``t``."""
+    a = _CUBIC_A
+
+    def near(x: torch.Tensor) -> torch.Tensor:  # |x| <= 1
+        return ((a + 2) * x - (a + 3)) * x * x + 1
+
+    def far(x: torch.Tensor) -> torch.Tensor:  # 1 < |x| < 2
+        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+
+    return torch.stack([far(t + 1), near(t), near(1 - t), far(2 - t)], dim=1)
+
+
+@functools.lru_cache(maxsize=256)
+def dim_taps(
+    extent: int, out: int, mode: str, align_corners: bool, scale: float | None, dtype: torch.dtype, vectorized: bool = False
+) -> Taps:
+    """Taps of ``out`` outputs resampled from ``extent`` rows.
+
+    ``scale`` is the user's scale factor when torch uses it (given and not recomputed), else
+    None; ``dtype`` is the precision of the coordinates (float64 for double inputs, else float32);
+    ``vectorized``: whether torch's vectorized nearest kernel runs (see :func:`_nearest_rows`).
+    """
+    if mode in ("nearest", "nearest-exact"):
+        rows = _nearest_rows(extent, out, scale, mode == "nearest-exact", vectorized, dtype)
+        return Taps(rows[:, None], None, rows)
+    cubic = mode == "bicubic"
+    if out == extent and not cubic:
+        scale = None  # torch's linear kernels copy an unchanged extent, whatever the scale factor
+    row, t = _floor_and_fraction(_source_positions(extent, out, align_corners, scale, dtype, cubic), extent)
+    if cubic:
+        rows = (row[:, None] + torch.arange(-1, 3)).clamp(0, extent - 1)
+        return Taps(rows, _cubic_weights(t), row.clamp(min=0))
+    rows = torch.stack([row, row + (row < extent - 1).long()], dim=1)
+    return Taps(rows, torch.stack([1 - t, t], dim=1), row)
+
+
+# ----- splits and local resampling ------------------------------------------------------------
+def _starts(sizes: Sequence[int]) -> list[int]:
+    return [sum(sizes[:i]) for i in range(len(sizes))]
+
+
+def _split(taps: Taps, dim: int, axis: int | None, sizes: tuple[int, ...], me: int) -> DimSplit:
+    """Outputs go to the owner of their source row; each rank's window spans its outputs' taps."""
+    starts = _starts(sizes)
+    out = taps.source.numel()
+    cuts = torch.searchsorted(taps.source, torch.tensor(starts)).tolist() + [out]
+    out_sizes = tuple(b - a for a, b in zip(cuts, cuts[1:]))
+    windows = []
+    for start, a, b in zip(starts, cuts, cuts[1:]):
+        rows = taps.rows[a:b]
+        windows.append((int(rows.min()), int(rows.max()) + 1) if b > a else (start, start))
+    return DimSplit(dim, axis, sizes, out_sizes, tuple(windows), me)
+
+
+def resample(window: torch.Tensor, dim: int, taps: Taps, first: int, count: int, origin: int) -> torch.Tensor:
+    """Outputs ``first .. first+count`` along ``dim`` from ``window``, whose row 0 is global row ``origin``."""
+    rows = taps.rows[first:first + count] - origin
+    if taps.weights is None:
+        return window.index_select(dim, rows[:, 0])
+    shape = [1] * window.ndim
+    shape[dim] = count
+    weights = taps.weights[first:first + count].to(window.dtype)
+    out = window.index_select(dim, rows[:, 0]) * weights[:, 0].view(shape)
+    for tap in range(1, rows.shape[1]):
+        out = out + window.index_select(dim, rows[:, tap]) * weights[:, tap].view(shape)
+    return out
+
+
+# ----- handler --------------------------------------------------------------------------------
+def _bind(args: tuple, kwargs: dict) -> dict[str, Any]:
+    bound = dict(zip(_ARGS, args))
+    for name in _ARGS[len(args):]:
+        bound[name] = kwargs.get(name, _DEFAULTS.get(name))
+    return bound
+
+
+def _scales(bound: dict[str, Any], nd: int) -> list[float | None]:
+    """The scale factor torch's kernels use per dim: the user's, unless sizes are given or recomputed."""
+    factor = bound["scale_factor"]
+    if factor is None or bound["recompute_scale_factor"]:
+        return [None] * nd
+    factors = list(factor) if isinstance(factor, (list, tuple)) else [factor] * nd
+    return [float(f) for f in factors]
+
+
+def _coordinate_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def uses_vectorized_nearest(x: torch.Tensor, out_shape: torch.Size) -> bool:
+    """Whether torch runs nearest modes on its vectorized CPU kernel for this global input.
+
+    2-D: channels-last inputs with more than 3 channels, or outputs with H + W <= 128;
+    3-D: channels-last inputs with more than 3 channels; 1-D never.
+    """
+    if x.ndim not in (4, 5):
+        return False
+    layout = torch.empty_strided(x.shape, x.stride(), device="meta")
+    channels_last = torch.channels_last if x.ndim == 4 else torch.channels_last_3d
+    if layout.is_contiguous(memory_format=channels_last) and x.shape[1] > 3:
+        return True
+    return x.ndim == 4 and out_shape[2] + out_shape[3] <= 128
+
+
+def _resize(x: ShardTensor, bound: dict[str, Any], out_shape: torch.Size) -> ShardTensor:
+    nd = x.ndim - 2
+    mode, align_corners = bound["mode"], bool(bound["align_corners"])
+    dtype, vectorized = _coordinate_dtype(x.dtype), uses_vectorized_nearest(x, out_shape)
+    plans = []
+    for dim, scale in zip(range(2, x.ndim), _scales(bound, nd)):
+        axis, sizes, me = dim_split(x, dim)
+        taps = dim_taps(x.shape[dim], out_shape[dim], mode, align_corners, scale, dtype, vectorized)
+        plans.append((_split(taps, dim, axis, sizes, me), taps))
+    splits = [split for split, _ in plans]
+    local = gather_inside(local_input(x), x, splits)
+    for split, taps in plans:
+        local = resample(local, split.dim, taps, split.first, split.count, split.window[0])
+    return wrap_local(local, x, out_shape, output_axis_sizes(x, splits))
+
+
+def _global_shape(func: Any, bound: dict[str, Any], x: ShardTensor) -> torch.Size:
+    """The single-device output shape, with torch's own argument checks.
+
+    torch's meta kernels for the linear and cubic modes are Python decompositions costing about
+    as much as the op itself; the output size does not depend on the mode, so it comes from the
+    nearest kernel's meta function, and the mode's own checks from a call on 2 x 2 pixels.
+    """
+    pixels = [2] * (x.ndim - 2)
+    modes = {name: bound[name] for name in ("mode", "align_corners", "antialias")}
+    func(torch.zeros(1, 1, *pixels), size=pixels, **modes)
+    sizes = {name: bound[name] for name in ("size", "scale_factor", "recompute_scale_factor")}
+    return func(torch.empty(x.shape, dtype=x.dtype, device="meta"), **sizes).shape
+
+
+def _interpolate_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
+    bound = _bind(args, kwargs)
+    x = bound["input"]
+    check_stencil_layout("interpolate", x, (), None)
+    rest = {name: value for name, value in bound.items() if name != "input"}
+    if not any(dim >= 2 for _, dim in sharded_axes(x)):
+        local = run_planewise(lambda t: func(t, **rest), local_input(x), x.ndim - 2)
+        return wrap_local(local, x, x.shape[:2] + local.shape[2:], x._spec.axis_sizes)
+    out_shape = _global_shape(func, bound, x)
+    mode = bound["mode"]
+    if bound["antialias"]:
+        raise ShardedOpError(
+            "interpolate", [x],
+            f"antialias=True (mode {mode!r}) widens the filter with the scale on sharded spatial dims; "
+            "use antialias=False, or shard only batch or channel dims",
+        )
+    if mode == "area":
+        return _ADAPTIVE_AVG[x.ndim - 2](x, list(out_shape[2:]))
+    return _resize(x, bound, out_shape)
+
+
+ShardTensor.register_function_handler(F.interpolate, _interpolate_handler)

@@ -1,0 +1,243 @@
+"""Max, average and adaptive pooling on spatially sharded grids: exact values, indices, gradients and bytes.
+
+Every case runs sharded and on one device (``assert_sharded_matches``: outputs, global
+``return_indices`` and input grads) on 1-4 ranks and on a 2x2 mesh (two spatial dims over the
+two mesh axes), with balanced, uneven (13 x 7) and skewed splits (one-row and empty shards, so
+windows reach past neighbours and some ranks own no output).  ``check_cases`` and the layout
+helpers are shared with ``test_interpolation.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from physics_dp.distributed.collectives import count_communication
+from physics_dp.ops._local import ShardedOpError
+from physics_dp.shard_tensor import Partial, Replicate, Shard, ShardTensor, distribute_tensor
+from physics_dp.testing import get_mesh, run_on_ranks
+from physics_dp.testing.compare import assert_sharded_matches
+
+from .test_halo import EXTENTS, LAYOUTS, SKEWED_H, SKEWED_W, SPLITS, world_of
+
+
+# ----- layouts shared with test_interpolation -----------------------------------------------------
+def spatial(first, second):
+    """Placements: ``first`` over mesh axis 0; on 2-D meshes ``second`` over axis 1."""
+    return lambda mesh: [Shard(first)] if mesh.ndim == 1 else [Shard(first), Shard(second)]
+
+
+hw = spatial(2, 3)
+
+
+def batch_and_length(mesh):
+    """1-D grids (N, C, L): L over a 1-D mesh; the batch over axis 0 and L over axis 1 of a 2-D mesh."""
+    return [Shard(2)] if mesh.ndim == 1 else [Shard(0), Shard(2)]
+
+
+def half_or_global(n: int) -> int:
+    """An output extent that splits an extent of ``n`` into equal windows: n/2, or 1 for odd n."""
+    return n // 2 if n % 2 == 0 else 1
+
+
+def split_sizes(kind, shape, placements, mesh):
+    """The split of every sharded axis: balanced (None), or skewed (one-row and empty shards)."""
+    if kind != "skewed":
+        return None
+    table = (SKEWED_H, SKEWED_W)
+    sizes = {}
+    for axis, placement in enumerate(placements):
+        if isinstance(placement, Shard) and mesh.size(axis) > 1:
+            skew = table[axis].get(mesh.size(axis), table[0][mesh.size(axis)])
+            sizes[axis] = skew(shape[placement.dim])
+    return sizes
+
+
+def check_cases(cases, mesh_shape, split, names) -> int:
+    """Run ``cases[name]`` = (factory(h, w), shape(h, w), placements(mesh)) sharded vs one device."""
+    mesh = get_mesh(mesh_shape)
+    h, w = EXTENTS[split]
+    for index, name in enumerate(names):
+        factory, shape_of, placements_of = cases[name]
+        shape, placements = shape_of(h, w), placements_of(mesh)
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(index))
+        sizes = split_sizes(split, shape, placements, mesh)
+        try:
+            report = assert_sharded_matches(factory(h, w), [x], mesh, [placements], sharding_sizes=[sizes])
+        except Exception as error:
+            raise AssertionError(f"{name} on mesh {mesh_shape}, {split} split {sizes}: {error}") from error
+        assert all(p == tuple(placements) for p in report.output_placements), f"{name}: {report.output_placements}"
+    return len(names)
+
+
+# name -> (module or fn from (H, W), input shape from (H, W), placements from mesh)
+CASES = {
+    "max2d_k2": (lambda h, w: nn.MaxPool2d(2), lambda h, w: (2, 3, h, w), hw),
+    "max2d_k3_s1_p1": (lambda h, w: nn.MaxPool2d(3, 1, 1), lambda h, w: (2, 3, h, w), hw),
+    "max2d_k3_s2_p1_ceil": (lambda h, w: nn.MaxPool2d(3, 2, 1, ceil_mode=True), lambda h, w: (2, 3, h, w), hw),
+    "max2d_k2_indices": (lambda h, w: nn.MaxPool2d(2, return_indices=True), lambda h, w: (2, 3, h, w), hw),
+    "max2d_k3x2_s2x1_p1x0_d2x1_ceil_indices": (
+        lambda h, w: nn.MaxPool2d((3, 2), (2, 1), (1, 0), dilation=(2, 1), ceil_mode=True, return_indices=True),
+        lambda h, w: (2, 3, h, w),
+        hw,
+    ),
+    "max2d_functional_k4_s3_p2": (lambda h, w: (lambda x: F.max_pool2d(x, 4, 3, 2)), lambda h, w: (1, 2, h, w), hw),
+    "max2d_unbatched_k3_s2": (lambda h, w: nn.MaxPool2d(3, 2), lambda h, w: (3, h, w), spatial(1, 2)),
+    "max2d_w_over_axis0": (lambda h, w: nn.MaxPool2d(3, 2, 1, return_indices=True), lambda h, w: (2, 3, w, h), spatial(3, 2)),
+    "max1d_k3_s2_p1_ceil_indices": (
+        lambda h, w: nn.MaxPool1d(3, 2, 1, ceil_mode=True, return_indices=True),
+        lambda h, w: (2, 3, h),
+        batch_and_length,
+    ),
+    "max1d_k5_p2_d2": (lambda h, w: nn.MaxPool1d(5, 1, 2, dilation=2), lambda h, w: (2, 3, h), batch_and_length),
+    "max3d_k2x3x2_s2x1x1_p1x1x0_indices": (
+        lambda h, w: nn.MaxPool3d((2, 3, 2), (2, 1, 1), (1, 1, 0), return_indices=True),
+        lambda h, w: (1, 2, h, w, 4),
+        hw,
+    ),
+    "max2d_channel_sharded": (lambda h, w: nn.MaxPool2d(3, 2, 1, return_indices=True), lambda h, w: (w, h, 6, 5), spatial(1, 0)),
+    "avg2d_k2": (lambda h, w: nn.AvgPool2d(2), lambda h, w: (2, 3, h, w), hw),
+    "avg2d_k3_s1_p1": (lambda h, w: nn.AvgPool2d(3, 1, 1), lambda h, w: (2, 3, h, w), hw),
+    "avg2d_k3_s2_p1_ceil_exclude_pad": (
+        lambda h, w: nn.AvgPool2d(3, 2, 1, ceil_mode=True, count_include_pad=False),
+        lambda h, w: (2, 3, h, w),
+        hw,
+    ),
+    "avg2d_k3x2_s2x3_p1_ceil_include_pad": (lambda h, w: nn.AvgPool2d((3, 2), (2, 3), 1, ceil_mode=True), lambda h, w: (2, 3, h, w), hw),
+    "avg2d_divisor_override": (lambda h, w: nn.AvgPool2d(3, 2, 1, divisor_override=5), lambda h, w: (2, 3, h, w), hw),
+    "avg2d_batch_and_h": (lambda h, w: nn.AvgPool2d(3, 1, 1), lambda h, w: (4, 3, h, w), spatial(2, 0)),
+    "avg1d_k4_s3_p2_ceil_exclude_pad": (
+        lambda h, w: nn.AvgPool1d(4, 3, 2, ceil_mode=True, count_include_pad=False),
+        lambda h, w: (2, 3, h),
+        batch_and_length,
+    ),
+    "avg3d_k3_s2_p1_ceil": (lambda h, w: nn.AvgPool3d(3, 2, 1, ceil_mode=True), lambda h, w: (1, 2, h, w, 5), hw),
+    "adaptive_avg2d_global": (lambda h, w: nn.AdaptiveAvgPool2d(1), lambda h, w: (2, 3, h, w), hw),
+    "adaptive_avg2d_halves": (
+        lambda h, w: nn.AdaptiveAvgPool2d((half_or_global(h), half_or_global(w))),
+        lambda h, w: (2, 3, h, w),
+        hw,
+    ),
+    "adaptive_avg3d_whole_dim_uneven": (
+        lambda h, w: nn.AdaptiveAvgPool3d((half_or_global(h), None, 3)),
+        lambda h, w: (1, 2, h, w, 5),
+        hw,
+    ),
+    "adaptive_max2d_indices": (
+        lambda h, w: nn.AdaptiveMaxPool2d((half_or_global(h), None), return_indices=True),
+        lambda h, w: (2, 3, h, w),
+        hw,
+    ),
+    "adaptive_max1d": (lambda h, w: nn.AdaptiveMaxPool1d(half_or_global(h)), lambda h, w: (2, 3, h), batch_and_length),
+}
+
+
+def _pool_cases(mesh_shape, split, names):
+    return check_cases(CASES, mesh_shape, split, names)
+
+
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize("mesh_shape", LAYOUTS, ids=str)
+def test_pooling_matches_single_device(mesh_shape, split):
+    names = sorted(CASES)
+    assert run_on_ranks(world_of(mesh_shape), _pool_cases, mesh_shape, split, names, timeout=120) == [len(names)] * world_of(mesh_shape)
+
+
+# ----- communication ------------------------------------------------------------------------------
+def _pool_bytes(mesh_shape, pool, shape):
+    """(coordinate, forward records, backward records) of a pool on (N, C, H, W) sharded on H (and W)."""
+    mesh = get_mesh(mesh_shape)
+    x = distribute_tensor(torch.randn(shape), mesh, hw(mesh)).requires_grad_(True)
+    with count_communication() as forward:
+        y = pool(x)
+    with count_communication() as backward:
+        y.backward(torch.ones_like(y))
+    return (
+        tuple(mesh.get_coordinate()),
+        [(r.kind, r.bytes_sent) for r in forward.records],
+        [(r.kind, r.bytes_sent) for r in backward.records],
+    )
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (4,), (2, 2)], ids=str)
+def test_aligned_two_by_two_pool_sends_nothing(mesh_shape):
+    # H = 16 and W = 8 split in even, even-sized shards: every window lies inside one slab
+    for pool in (nn.MaxPool2d(2), nn.AvgPool2d(2)):
+        for coordinate, forward, backward in run_on_ranks(world_of(mesh_shape), _pool_bytes, mesh_shape, pool, (2, 3, 16, 8)):
+            assert forward == [] and backward == [], (pool, coordinate, forward, backward)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_three_by_three_pool_sends_one_halo_row_to_each_neighbour(world):
+    row = 2 * 3 * 8 * 4  # N * C * W float32
+    for pool in (nn.MaxPool2d(3, 1, 1), nn.AvgPool2d(3, 1, 1, count_include_pad=False)):
+        for (c,), forward, backward in run_on_ranks(world, _pool_bytes, (world,), pool, (2, 3, 12, 8)):
+            neighbours = (c > 0) + (c < world - 1)
+            assert forward == [("p2p", row)] * neighbours, (pool, c, forward)
+            assert backward == [("p2p", row)] * neighbours, (pool, c, backward)
+
+
+def test_pool_on_2x2_mesh_sends_rows_then_columns_with_corners():
+    # (2, 3, 12, 8) split 6+6 over H and 4+4 over W, k=3 s=1 p=1: one row of N*C*4, then one
+    # column of N*C*(6 + 1 halo row); rows beyond the grid are filled locally, never sent.
+    for coordinate, forward, backward in run_on_ranks(4, _pool_bytes, (2, 2), nn.MaxPool2d(3, 1, 1), (2, 3, 12, 8)):
+        assert forward == [("p2p", 2 * 3 * 4 * 4), ("p2p", 2 * 3 * 7 * 4)], (coordinate, forward)
+        assert sorted(backward) == sorted(forward), (coordinate, backward)
+
+
+# ----- unsupported combinations and invalid arguments ---------------------------------------------
+def _unsupported_raise():
+    mesh = get_mesh((2,))
+    x = torch.randn(2, 3, 13, 8)
+    messages = []
+    with pytest.raises(ShardedOpError) as info:
+        F.adaptive_avg_pool2d(distribute_tensor(x, mesh, [Shard(2)]), (5, 4))
+    messages.append(str(info.value))
+    with pytest.raises(ShardedOpError) as info:
+        nn.AdaptiveMaxPool2d((6, 2), return_indices=True)(distribute_tensor(x, mesh, [Shard(2)]))
+    messages.append(str(info.value))
+    with pytest.raises(ShardedOpError) as info:
+        F.max_pool2d(ShardTensor.from_local(x, mesh, [Partial("sum")]), 2)
+    messages.append(str(info.value))
+    # supported: a non-dividing adaptive pool along a dim that is not sharded
+    y = F.adaptive_avg_pool2d(distribute_tensor(x, mesh, [Shard(3)]), (5, 4))
+    assert torch.allclose(y.full_tensor(), F.adaptive_avg_pool2d(x, (5, 4)))
+    return messages
+
+
+def test_unsupported_combinations_raise_naming_op_placements_and_reason():
+    avg, max_, partial = run_on_ranks(2, _unsupported_raise)[0]
+    assert avg.startswith("adaptive_avg_pool2d") and "Shard(dim=2)" in avg and "from 13 to 5" in avg and "multiple" in avg
+    assert max_.startswith("adaptive_max_pool2d") and "from 13 to 6" in max_
+    assert partial.startswith("max_pool2d") and "Partial" in partial and "redistribute" in partial
+
+
+def _invalid_arguments_raise_like_torch():
+    mesh = get_mesh((2,))
+    x = distribute_tensor(torch.randn(1, 3, 8, 8), mesh, [Shard(2)])
+    with pytest.raises(RuntimeError, match="pad should be at most half"):
+        F.max_pool2d(x, 2, padding=2)
+    with pytest.raises(RuntimeError, match="divisor must be not zero"):
+        F.avg_pool2d(x, 2, divisor_override=0)
+    return True
+
+
+def test_invalid_arguments_raise_torch_errors():
+    assert all(run_on_ranks(2, _invalid_arguments_raise_like_torch))
+
+
+def _replicated_axis_and_batch_only():
+    """A replicated mesh axis beside a sharded H, and a batch-only split (pooled locally)."""
+    mesh = get_mesh((2, 2))
+    x = torch.randn(4, 3, 13, 7)
+    assert_sharded_matches(nn.MaxPool2d(3, 2, 1, return_indices=True), [x], mesh, [[Shard(2), Replicate()]])
+    with count_communication() as log:
+        assert_sharded_matches(nn.AvgPool2d(3, 2, 1), [x], mesh, [[Shard(0), Replicate()]], check_grads=False)
+    return log.kinds()
+
+
+def test_replicated_axes_and_batch_only_splits():
+    for kinds in run_on_ranks(4, _replicated_axis_and_batch_only):
+        assert "p2p" not in kinds  # the batch-only pool ran on the slabs; full_tensor gathers only
