@@ -30,6 +30,8 @@ from ._local import ShardedOpError, local_input, sum_grad_over_axes, wrap_local
 
 __all__ = ["RingMeta"]
 
+aten = torch.ops.aten
+
 _OP = "scaled_dot_product_attention"
 
 
@@ -93,7 +95,30 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(lse) & (lse < 0), torch.zeros_like(lse), lse)
 
 
-def _block_forward(q, k, v, bias, scale):
+_FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether torch's fused CPU attention kernel (which returns the log-sum-exp) fits this block."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in _FUSED_DTYPES
+        and q.shape[-1] == k.shape[-1] == v.shape[-1]
+        and q.shape[-2] > 0
+        and k.shape[-2] > 0
+    )
+
+
+def _block_forward(q, k, v, bias, scale, differentiable_lse: bool = False):
+    """Attention of ``q`` over one key block: the block's output and per-row log-sum-exp.
+
+    The fused CPU kernel never materializes the score matrix, but reports lse 0 (not -inf)
+    for fully masked rows, fixed here; its lse has no gradient, so callers that differentiate
+    through the lse get the explicit path.
+    """
+    if not differentiable_lse and _fused(q, k, v):
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+        if bias is not None:
+            lse = lse.masked_fill(torch.isneginf(bias).all(-1), float("-inf"))
+        return out, lse
     scores = _scores(q, k, bias, scale)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - _finite(lse)[..., None])
@@ -112,6 +137,22 @@ def _rotate(payload: torch.Tensor, meta: RingMeta, incoming_owner: int) -> colle
     shape = list(payload.shape)
     shape[-2] = meta.kv_sizes[incoming_owner]
     return collectives.start_exchange({nxt: payload}, {prv: shape}, meta.group, dtype=payload.dtype, device=payload.device)
+
+
+def _block_backward(grad_out, q, k, v, out, safe_lse, delta, bias, scale):
+    """Gradients of one (queries x key block) pair given the GLOBAL output and log-sum-exp:
+    with those, each block's softmax probabilities and correction term are exact."""
+    if _fused(q, k, v):
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, safe_lse[..., 0], 0.0, False, attn_mask=bias, scale=scale
+        )
+    probs = torch.exp(_scores(q, k, bias, scale) - safe_lse)
+    grad_scores = probs * (torch.matmul(grad_out, v.transpose(-1, -2)) - delta)
+    return (
+        torch.matmul(grad_scores, k) * scale,
+        torch.matmul(grad_scores.transpose(-1, -2), q) * scale,
+        torch.matmul(probs.transpose(-1, -2), grad_out),
+    )
 
 
 class _RingAttention(torch.autograd.Function):
@@ -148,11 +189,10 @@ class _RingAttention(torch.autograd.Function):
             owner = (meta.me - step) % meta.size
             k_b, v_b = block[..., :e_k], block[..., e_k : e_k + e_v]
             bias = _block_bias(meta, q.shape[-2], owner, block.shape[-2], q.device, q.dtype)
-            probs = torch.exp(_scores(q, k_b, bias, meta.scale) - safe_lse)
-            grad_scores = probs * (torch.matmul(grad_out, v_b.transpose(-1, -2)) - delta)
-            grad_q += torch.matmul(grad_scores, k_b) * meta.scale
-            grad_k_b = block[..., e_k + e_v : 2 * e_k + e_v] + torch.matmul(grad_scores.transpose(-1, -2), q) * meta.scale
-            grad_v_b = block[..., 2 * e_k + e_v :] + torch.matmul(probs.transpose(-1, -2), grad_out)
+            block_grads = _block_backward(grad_out, q, k_b, v_b, out, safe_lse, delta, bias, meta.scale)
+            grad_q += block_grads[0]
+            grad_k_b = block[..., e_k + e_v : 2 * e_k + e_v] + block_grads[1]
+            grad_v_b = block[..., 2 * e_k + e_v :] + block_grads[2]
             if step + 1 < meta.size:
                 block = torch.cat([k_b, v_b, grad_k_b, grad_v_b], dim=-1)
             else:
@@ -284,7 +324,7 @@ def _sdpa_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
         out, _ = _block_forward(q_l, k_l, v_l, bias, scale)
     else:
         bias = _block_bias(meta, q_l.shape[-2], me, k_l.shape[-2], q_l.device, q_l.dtype)
-        block_out, block_lse = _block_forward(q_l, k_l, v_l, bias, scale)
+        block_out, block_lse = _block_forward(q_l, k_l, v_l, bias, scale, differentiable_lse=True)
         peak = collectives.all_reduce(block_lse.detach(), "max", meta.group)
         weight = torch.exp(block_lse - _finite(peak))
         total = _SumOverAxis.apply(weight, meta.group)

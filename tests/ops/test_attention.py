@@ -15,11 +15,12 @@ from physics_dp.testing.compare import assert_sharded_matches
 LAYOUTS = [(1,), (2,), (3,), (4,), (2, 2)]
 
 
-def _qkv(n=2, heads=2, length=13, source=13, e=8, kv_heads=None, seed=0):
+def _qkv(n=2, heads=2, length=13, source=13, e=8, kv_heads=None, seed=0, value_extra=0):
+    """value_extra > 0 gives values a wider head than keys (the explicit, unfused block path)."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(n, heads, length, e, generator=gen)
     k = torch.randn(n, kv_heads or heads, source, e, generator=gen)
-    v = torch.randn(n, kv_heads or heads, source, e + 2, generator=gen)
+    v = torch.randn(n, kv_heads or heads, source, e + value_extra, generator=gen)
     return q, k, v
 
 
@@ -46,6 +47,11 @@ def _cases(mesh):
     qg, kg, vg = _qkv(heads=4, kv_heads=2)
     return {
         "ring": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v), [q, k, v], [t, t, t]),
+        "ring_wide_values_causal": (
+            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+            list(_qkv(value_extra=2)),
+            [t, t, t],
+        ),
         "ring_causal": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), [q, k, v], [t, t, t]),
         "ring_bool_mask": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=bool_mask), [q, k, v], [t, t, t]),
         "ring_add_mask_scale": (
@@ -96,7 +102,7 @@ def _ring_traffic(world):
         F.scaled_dot_product_attention(qs, ks, vs)
     me = mesh.get_coordinate()[0]
     sizes = ks._spec.axis_sizes[0]
-    per_token = 2 * 2 * (8 + 10) * 4  # n * heads * (E_k + E_v) * fp32
+    per_token = 2 * 2 * (8 + 8) * 4  # n * heads * (E_k + E_v) * fp32
     expected = sum(sizes[(me - s) % world] for s in range(world - 1)) * per_token
     return log.kinds(), log.bytes_sent, expected
 
