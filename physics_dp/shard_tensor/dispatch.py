@@ -199,6 +199,27 @@ def _run_default_unguarded(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 # ----- aten level ---------------------------------------------------------------------------
+def _fill_with_scalar_tensor(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """``x.fill_(value)`` / ``x[...] = value`` with a 0-d value: local on every slab."""
+    target, value = args
+    if isinstance(value, _ShardTensor):
+        if value.ndim or value._spec.has_partial:
+            return _fallback(op, args, kwargs)
+        value = value._local_tensor
+    if value.ndim or target._spec.has_partial:
+        return _fallback(op, args, kwargs)
+    op(target._local_tensor, value)
+    return target
+
+
+def _fallback(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    from .fallback import propagate_and_run
+
+    return propagate_and_run(op, args, kwargs)
+
+
+_dispatch_handlers[torch.ops.aten.fill_.Tensor] = _fill_with_scalar_tensor
+
 _NOT_POINTWISE, _POINTWISE, _POINTWISE_INPLACE = 0, 1, 2
 # op -> (registered handler or None, pointwise kind): one lookup per op on the hot path
 _aten_plans: dict[torch._ops.OpOverload, tuple[DispatchHandler | None, int]] = {}
@@ -260,6 +281,4 @@ def torch_dispatch(cls: type, op: torch._ops.OpOverload, types: tuple, args: tup
         result = _pointwise_aten_local(op, args, kwargs, kind)
         if result is not NotImplemented:
             return result
-    from .fallback import propagate_and_run
-
-    return propagate_and_run(op, args, kwargs)
+    return _fallback(op, args, kwargs)

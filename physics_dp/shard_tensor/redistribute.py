@@ -163,6 +163,10 @@ def redistribute_local(local: torch.Tensor, src: ShardTensorSpec, dst: ShardTens
         for axis in range(src.mesh.ndim)
         if (src.placements[axis], src.axis_sizes[axis]) != (dst.placements[axis], dst.axis_sizes[axis])
     ]
+    if not pending:
+        # nothing moves: keep the very slab (in-place ops then write through) unless only the
+        # layout differs
+        return local if dst.stride == src.stride else local.contiguous()
     while pending:
         ready = [
             axis

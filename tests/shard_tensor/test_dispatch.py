@@ -107,3 +107,30 @@ def _user_handlers():
 
 def test_user_registered_function_and_dispatch_handlers():
     run_on_ranks(3, _user_handlers)
+
+
+def _setitem_and_complex():
+    mesh = get_mesh((3,))
+    g = global_tensor((2, 3, 9, 4))
+    x = distribute_tensor(g, mesh, [Shard(2)])
+    x[:, :, 1:7] = 5.0
+    x[:, :, 8] = torch.full((2, 3, 4), 2.0)
+    x[0] = 7.0
+    want = g.clone()
+    want[:, :, 1:7] = 5.0
+    want[:, :, 8] = 2.0
+    want[0] = 7.0
+    assert torch.equal(x.full_tensor(), want)
+
+    a, b = global_tensor((3, 9, 4), seed=1), global_tensor((3, 9, 4), seed=2)
+    za = torch.complex(a, b)
+    zs = distribute_tensor(za, mesh, [Shard(1)]).requires_grad_()
+    zr = za.clone().requires_grad_()
+    (zs * zs.conj()).real.sum().backward()
+    (zr * zr.conj()).real.sum().backward()
+    torch.testing.assert_close(zs.grad.full_tensor(), zr.grad)
+    return True
+
+
+def test_setitem_writes_through_and_complex_gradients_are_exact():
+    run_on_ranks(3, _setitem_and_complex)

@@ -1,0 +1,204 @@
+"""``torch.fft`` transforms over sharded dims by pencil decomposition.
+
+A 1-D FFT needs its whole dim on one rank.  So: transform the dims that are whole locally, move
+each remaining sharded dim's mesh axis onto a dim already transformed (one all-to-all with
+uneven sizes: ``Shard(a) -> Shard(b)``), transform it, and finally move every axis back to the
+input's placements.  fft2 of an H-sharded (N, C, H, W) grid is then: FFT W, H -> W, FFT H,
+W -> H: two all-to-alls.  Dims whose extent the transform keeps get their input split back
+exactly (skewed and empty shards included); dims it resizes (``s=``, the halved last dim of
+``rfft*``, the restored one of ``irfft*``) get the balanced split.
+
+Real transforms keep their order: ``rfft*`` does the real-to-complex FFT of the last dim first,
+``irfft*`` the complex-to-real one last.  Where no dim can take an axis (a 2-D tensor sharded
+on both dims), the axis is replicated for that step.  Local FFTs and the redistributes are
+differentiable, so autograd gives the backward, itself a pencil transform.  ``norm`` factorizes
+over dims, so transforming dims in groups honours it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..shard_tensor import Placement, Replicate, Shard, ShardTensor, ShardTensorSpec, balanced_sizes
+from ..shard_tensor.conversions import from_local_with_spec, redistribute_to_spec, to_local
+from ..shard_tensor.dispatch import run_default
+
+__all__ = ["FFTPlan", "sharded_fft"]
+
+
+@dataclass(frozen=True)
+class FFTPlan:
+    """One call: its kind (``fft``, ``ifft``, ``rfft``, ``irfft``), dims, signal lengths and norm."""
+
+    kind: str
+    dims: tuple[int, ...]
+    lengths: tuple[int, ...]
+    norm: str | None
+
+    def allowed(self, pending: Sequence[int]) -> list[int]:
+        """Dims that may be transformed next: real transforms pin the last dim first (r2c) or last (c2r)."""
+        last = self.dims[-1]
+        if self.kind == "rfft" and last in pending:
+            return [last]
+        if self.kind == "irfft":
+            return [d for d in pending if d != last] or [last]
+        return list(pending)
+
+    def out_extent(self, dim: int) -> int:
+        n = self.lengths[self.dims.index(dim)]
+        return n // 2 + 1 if self.kind == "rfft" and dim == self.dims[-1] else n
+
+
+def _local_fft(local: torch.Tensor, plan: FFTPlan, dims: list[int]) -> torch.Tensor:
+    """The transform of one slab; an empty slab (which MKL refuses) gets an empty result in the graph."""
+    if local.numel():
+        return _fft_call(local, plan, dims)
+    result = _fft_call(torch.empty_like(local, device="meta"), plan, dims)
+    flat = local.reshape(-1)[:0]
+    flat = flat.real if flat.is_complex() and not result.is_complex() else flat.to(result.dtype)
+    return flat.reshape(result.shape)
+
+
+def _fft_call(local: torch.Tensor, plan: FFTPlan, dims: list[int]) -> torch.Tensor:
+    last = plan.dims[-1]
+    lengths = [plan.lengths[plan.dims.index(d)] for d in dims]
+    if plan.kind == "rfft" and dims == [last]:
+        return torch.fft.rfft(local, n=lengths[0], dim=last, norm=plan.norm)
+    if plan.kind == "irfft" and dims == [last]:
+        return torch.fft.irfft(local, n=lengths[0], dim=last, norm=plan.norm)
+    transform = torch.fft.fftn if plan.kind in ("fft", "rfft") else torch.fft.ifftn
+    return transform(local, s=lengths, dim=dims, norm=plan.norm)
+
+
+def _transform_whole(tensor: ShardTensor, plan: FFTPlan, dims: list[int]) -> ShardTensor:
+    """FFT dims no mesh axis shards, on every slab; the split of the other dims is unchanged."""
+    spec = tensor._spec
+    local = _local_fft(to_local(tensor), plan, dims)
+    shape = [plan.out_extent(d) if d in dims else n for d, n in enumerate(spec.shape)]
+    return from_local_with_spec(local, ShardTensorSpec(spec.mesh, spec.placements, shape, spec.axis_sizes))
+
+
+def _target_dim(
+    spec: ShardTensorSpec, parts: int, done: Sequence[int], pending: Sequence[int], allowed: Sequence[int]
+) -> int | None:
+    """Where to move an axis off a dim about to be transformed; None: replicate instead.
+
+    Preference: a dim already transformed, a batch/channel dim that can hold ``parts`` shards, a
+    transform dim not yet due, any other free dim (an imbalanced split beats a replica).
+    """
+    taken = {p.dim for p in spec.placements if type(p) is Shard}
+    free = [d for d in range(spec.ndim) if d not in taken]
+    others = [d for d in free if d not in done and d not in pending]
+    tiers = (
+        [d for d in free if d in done],
+        [d for d in others if spec.shape[d] >= parts],
+        [d for d in free if d in pending and d not in allowed],
+        others,
+    )
+    for tier in tiers:
+        if tier:
+            return max(tier, key=lambda d: spec.shape[d])
+    return None
+
+
+def _move_axis_off(
+    tensor: ShardTensor, dim: int, plan: FFTPlan, done: Sequence[int], pending: Sequence[int]
+) -> ShardTensor:
+    """Move the mesh axis sharding ``dim`` to another dim (one all-to-all), or replicate it."""
+    spec = tensor._spec
+    axis = next(a for a, p in enumerate(spec.placements) if type(p) is Shard and p.dim == dim)
+    parts = spec.mesh.size(axis)
+    target = _target_dim(spec, parts, done, pending, plan.allowed(pending))
+    placements: list[Placement] = list(spec.placements)
+    sizes = list(spec.axis_sizes)
+    placements[axis] = Replicate() if target is None else Shard(target)
+    sizes[axis] = None if target is None else balanced_sizes(spec.shape[target], parts)
+    return redistribute_to_spec(tensor, ShardTensorSpec(spec.mesh, placements, spec.shape, sizes))
+
+
+def _output_spec(source: ShardTensorSpec, shape: Sequence[int]) -> ShardTensorSpec:
+    """The input's placements; its split where the extent is unchanged, else balanced."""
+    sizes = []
+    for axis, placement in enumerate(source.placements):
+        if type(placement) is not Shard:
+            sizes.append(None)
+        elif shape[placement.dim] == source.shape[placement.dim]:
+            sizes.append(source.axis_sizes[axis])
+        else:
+            sizes.append(balanced_sizes(shape[placement.dim], source.mesh.size(axis)))
+    return ShardTensorSpec(source.mesh, source.placements, shape, sizes)
+
+
+def sharded_fft(tensor: ShardTensor, plan: FFTPlan) -> ShardTensor:
+    """Run ``plan`` on a ShardTensor; the result has the input's placements."""
+    source = tensor._spec
+    pending = list(plan.dims)
+    done: list[int] = []
+    while pending:
+        allowed = plan.allowed(pending)
+        whole = [d for d in allowed if all(p != Shard(d) for p in tensor.placements)]
+        if whole:
+            tensor = _transform_whole(tensor, plan, whole)
+            done += whole
+            pending = [d for d in pending if d not in whole]
+        else:
+            tensor = _move_axis_off(tensor, allowed[0], plan, done, pending)
+    return redistribute_to_spec(tensor, _output_spec(source, tensor.shape))
+
+
+# ----- torch.fft entry points ------------------------------------------------------------------------------
+def _resolve(kind: str, shape: Sequence[int], s: Any, dim: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """torch.fft's rules: dims default to all (or the last ``len(s)``); ``-1`` in ``s`` keeps the input length."""
+    ndim = len(shape)
+    if isinstance(dim, int):
+        dim = (dim,)
+    if dim is None:
+        dim = range(ndim - len(s), ndim) if s is not None else range(ndim)
+    dims = tuple(d % ndim for d in dim)
+    if len(set(dims)) != len(dims):
+        raise RuntimeError(f"FFT dims must be unique, got {tuple(dim)}")
+    if s is not None and len(s) != len(dims):
+        raise RuntimeError(f"s={tuple(s)} and dim={dims} must have the same length")
+    lengths = []
+    for i, d in enumerate(dims):
+        given = -1 if s is None else s[i]
+        if given != -1:
+            lengths.append(int(given))
+        elif kind == "irfft" and i == len(dims) - 1:
+            lengths.append(2 * (shape[d] - 1))
+        else:
+            lengths.append(shape[d])
+    return dims, tuple(lengths)
+
+
+_ONE_D = {torch.fft.fft: "fft", torch.fft.ifft: "ifft", torch.fft.rfft: "rfft", torch.fft.irfft: "irfft"}
+_TWO_D = {torch.fft.fft2: "fft", torch.fft.ifft2: "ifft", torch.fft.rfft2: "rfft", torch.fft.irfft2: "irfft"}
+_N_D = {torch.fft.fftn: "fft", torch.fft.ifftn: "ifft", torch.fft.rfftn: "rfft", torch.fft.irfftn: "irfft"}
+
+
+def _plan_of(func: Any, args: tuple, kwargs: dict) -> FFTPlan:
+    shape = args[0].shape
+    if func in _ONE_D:
+        bound = {"n": None, "dim": -1, "norm": None, **dict(zip(("n", "dim", "norm"), args[1:])), **kwargs}
+        s = None if bound["n"] is None else (bound["n"],)
+        dims, lengths = _resolve(_ONE_D[func], shape, s, (bound["dim"],))
+        return FFTPlan(_ONE_D[func], dims, lengths, bound["norm"])
+    kind = _TWO_D.get(func) or _N_D[func]
+    default_dim = (-2, -1) if func in _TWO_D else None
+    bound = {"s": None, "dim": default_dim, "norm": None, **dict(zip(("s", "dim", "norm"), args[1:])), **kwargs}
+    dims, lengths = _resolve(kind, shape, bound["s"], bound["dim"])
+    return FFTPlan(kind, dims, lengths, bound["norm"])
+
+
+def _fft_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
+    if not isinstance(args[0], ShardTensor) or kwargs.get("out") is not None:
+        return run_default(func, args, kwargs)
+    return sharded_fft(args[0], _plan_of(func, args, kwargs))
+
+
+for _func in (*_ONE_D, *_TWO_D, *_N_D):
+    ShardTensor.register_function_handler(_func, _fft_handler)
