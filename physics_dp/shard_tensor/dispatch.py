@@ -102,6 +102,7 @@ def _pointwise_function_fast_path(func: Any, args: tuple, kwargs: dict) -> Any:
     cls = _ShardTensor
     spec = None
     grad_mode = torch.is_grad_enabled()
+    needs_autograd = False
     local_args = []
     for arg in args:
         if isinstance(arg, cls):
@@ -112,14 +113,15 @@ def _pointwise_function_fast_path(func: Any, args: tuple, kwargs: dict) -> Any:
                     return NotImplemented
                 arg._spec = spec  # equal specs become one object: the next check is an `is`
             if grad_mode and arg.requires_grad:
-                return _NEEDS_AUTOGRAD
+                needs_autograd = True
             local_args.append(arg._local_tensor)
-        elif isinstance(arg, torch.Tensor):
-            if arg.ndim or (grad_mode and arg.requires_grad):
-                return NotImplemented
-            local_args.append(arg)
+        elif isinstance(arg, (torch.Tensor, list, tuple)):
+            return NotImplemented
         else:
             local_args.append(arg)
+    if needs_autograd:
+        # every tensor is a ShardTensor: nothing plain to replicate, straight to the dispatcher
+        return NotImplemented if kwargs else _NEEDS_AUTOGRAD
     if spec is None or spec.has_partial:
         return NotImplemented
     for value in kwargs.values():
@@ -132,11 +134,6 @@ def _pointwise_function_fast_path(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 _NEEDS_AUTOGRAD = object()  # the fast path's answer when an input needs the autograd path
-
-
-def _only_shard_tensors(args: tuple) -> bool:
-    cls = _ShardTensor
-    return all(isinstance(a, cls) or not isinstance(a, (torch.Tensor, list, tuple)) for a in args)
 
 
 def _replicate_plain_grad_tensors(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -176,9 +173,9 @@ def torch_function(cls: type, func: Any, types: tuple, args: tuple = (), kwargs:
     with torch._C.DisableTorchFunctionSubclass():
         if func in _ALL_POINTWISE_FUNCTIONS:
             result = _pointwise_function_fast_path(func, args, kwargs)
-            if result is _NEEDS_AUTOGRAD and not kwargs and _only_shard_tensors(args):
-                return func(*args)  # nothing plain to replicate: straight to the dispatcher
-            if result is not NotImplemented and result is not _NEEDS_AUTOGRAD:
+            if result is _NEEDS_AUTOGRAD:
+                return func(*args)
+            if result is not NotImplemented:
                 return result
         return _run_default_unguarded(func, args, kwargs)
 

@@ -34,7 +34,7 @@ class ShardTensor(torch.Tensor):
     def __new__(cls, local_tensor: torch.Tensor, spec: ShardTensorSpec, *, requires_grad: bool = False) -> ShardTensor:
         if local_tensor.requires_grad:
             local_tensor = local_tensor.detach()
-        if local_tensor.is_conj() or local_tensor.is_neg():
+        if local_tensor.dtype.is_complex and (local_tensor.is_conj() or local_tensor.is_neg()):
             # the wrapper cannot carry lazy conj/neg bits: materialize them in the slab
             local_tensor = local_tensor.resolve_conj().resolve_neg()
         wrapper = torch.Tensor._make_wrapper_subclass(
