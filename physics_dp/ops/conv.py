@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..shard_tensor import Partial, Replicate, ShardTensor
+from ._args import bind, per_dim, single_device_shape
 from ._local import ShardedOpError, local_input, local_param, sharded_axes, wrap_local
 from .halo import Window, gather_window
 
@@ -137,29 +138,8 @@ def pad_output_split(sizes: Sequence[int], out_extent: int, pad_left: int) -> tu
 
 
 # ----- argument handling ----------------------------------------------------------------------
-def _bind(names: Sequence[str], args: tuple, kwargs: dict) -> dict[str, Any]:
-    bound = dict(zip(names, args))
-    for name in names[len(args):]:
-        bound[name] = kwargs.get(name, _DEFAULTS.get(name))
-    return bound
-
-
-def _per_dim(value: Any, nd: int) -> tuple[int, ...]:
-    if isinstance(value, int):
-        return (value,) * nd
-    value = tuple(int(v) for v in value)
-    return value * nd if len(value) == 1 else value
-
-
-def _meta(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return torch.empty(value.shape, dtype=value.dtype, device="meta")
-    return value
-
-
-def _global_shape(func: Any, bound: dict[str, Any]) -> torch.Size:
-    """The single-device output shape; running torch's own shape checks raises its own errors."""
-    return func(*(_meta(v) for v in bound.values())).shape
+def _bind_args(names: Sequence[str], args: tuple, kwargs: dict) -> dict[str, Any]:
+    return bind(names, args, kwargs, _DEFAULTS)
 
 
 def _conv_padding(padding: Any, kernel: Sequence[int], dilation: Sequence[int], nd: int) -> list[tuple[int, int]]:
@@ -169,13 +149,13 @@ def _conv_padding(padding: Any, kernel: Sequence[int], dilation: Sequence[int], 
     if padding == "same":
         spans = [d * (k - 1) for d, k in zip(dilation, kernel)]
         return [(s // 2, s - s // 2) for s in spans]
-    return [(p, p) for p in _per_dim(padding, nd)]
+    return [(p, p) for p in per_dim(padding, nd)]
 
 
 def _stencils(bound: dict[str, Any], nd: int, leading_padding: Sequence[int]) -> list[tuple[int, int, int, int]]:
     """(kernel, stride, dilation, leading padding) per spatial dim."""
     kernel = tuple(bound["weight"].shape[2:])
-    stride, dilation = _per_dim(bound["stride"], nd), _per_dim(bound["dilation"], nd)
+    stride, dilation = per_dim(bound["stride"], nd), per_dim(bound["dilation"], nd)
     return list(zip(kernel, stride, dilation, leading_padding))
 
 
@@ -256,9 +236,9 @@ def _gather_sharded(local: torch.Tensor, x: ShardTensor, windows_by_dim: dict[in
 
 def _conv(func: Any, bound: dict[str, Any], nd: int) -> ShardTensor:
     x = bound["input"]
-    out_shape = _global_shape(func, bound)
+    out_shape = single_device_shape(func, bound)
     spec, axis_of = x._spec, _axis_of(x)
-    padding = _conv_padding(bound["padding"], bound["weight"].shape[2:], _per_dim(bound["dilation"], nd), nd)
+    padding = _conv_padding(bound["padding"], bound["weight"].shape[2:], per_dim(bound["dilation"], nd), nd)
     stencils = _stencils(bound, nd, [left for left, _ in padding])
     spatial = list(enumerate(range(x.ndim - nd, x.ndim)))
     axis_sizes, windows, counts = list(spec.axis_sizes), {}, {}
@@ -291,9 +271,9 @@ def _conv(func: Any, bound: dict[str, Any], nd: int) -> ShardTensor:
 
 def _conv_transpose(func: Any, bound: dict[str, Any], nd: int) -> ShardTensor:
     x = bound["input"]
-    out_shape = _global_shape(func, bound)
+    out_shape = single_device_shape(func, bound)
     spec, axis_of = x._spec, _axis_of(x)
-    padding, output_padding = list(_per_dim(bound["padding"], nd)), list(_per_dim(bound["output_padding"], nd))
+    padding, output_padding = list(per_dim(bound["padding"], nd)), list(per_dim(bound["output_padding"], nd))
     stencils = _stencils(bound, nd, padding)
     axis_sizes, windows, targets = list(spec.axis_sizes), {}, {}
     for i, dim in enumerate(range(x.ndim - nd, x.ndim)):
@@ -319,7 +299,7 @@ def _conv_transpose(func: Any, bound: dict[str, Any], nd: int) -> ShardTensor:
 
 def _conv_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
     nd, transposed = _CONVS[func]
-    bound = _bind(_TRANSPOSED_ARGS if transposed else _CONV_ARGS, args, kwargs)
+    bound = _bind_args(_TRANSPOSED_ARGS if transposed else _CONV_ARGS, args, kwargs)
     x = bound["input"]
     channel_dim = x.ndim - nd - 1 if isinstance(x, torch.Tensor) else None
     check_stencil_layout(func.__name__, x, (bound["weight"], bound["bias"]), channel_dim)
@@ -331,7 +311,7 @@ def _conv_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
 def _local_run(func: Any, bound: dict[str, Any]) -> ShardTensor:
     """No spatial dim is split (batch-sharded or replicated): every rank computes its own slab."""
     x = bound["input"]
-    out_shape = _global_shape(func, bound)
+    out_shape = single_device_shape(func, bound)
     weight, bias = local_param(bound["weight"], x), local_param(bound["bias"], x)
     values = dict(bound, input=local_input(x), weight=weight, bias=bias)
     return wrap_local(func(*values.values()), x, out_shape, x._spec.axis_sizes)
@@ -339,10 +319,10 @@ def _local_run(func: Any, bound: dict[str, Any]) -> ShardTensor:
 
 # ----- F.pad ----------------------------------------------------------------------------------
 def _pad_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
-    bound = _bind(_PAD_ARGS, args, kwargs)
+    bound = _bind_args(_PAD_ARGS, args, kwargs)
     x, pad, mode, value = bound["input"], tuple(bound["pad"]), bound["mode"], bound["value"]
     check_stencil_layout("pad", x, (), None)
-    out_shape = _global_shape(func, bound)
+    out_shape = single_device_shape(func, bound)
     axis_of = _axis_of(x)
     local = local_input(x)
     axis_sizes = list(x._spec.axis_sizes)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..shard_tensor import ShardTensor
+from ._args import bind
 from ._local import ShardedOpError, local_input, sharded_axes, wrap_local
 from .conv import check_stencil_layout
 from .pooling import DimSplit, dim_split, gather_inside, output_axis_sizes, run_planewise
@@ -172,13 +173,6 @@ def resample(window: torch.Tensor, dim: int, taps: Taps, first: int, count: int,
 
 
 # ----- handler --------------------------------------------------------------------------------
-def _bind(args: tuple, kwargs: dict) -> dict[str, Any]:
-    bound = dict(zip(_ARGS, args))
-    for name in _ARGS[len(args):]:
-        bound[name] = kwargs.get(name, _DEFAULTS.get(name))
-    return bound
-
-
 def _scales(bound: dict[str, Any], nd: int) -> list[float | None]:
     """The scale factor torch's kernels use per dim: the user's, unless sizes are given or recomputed."""
     factor = bound["scale_factor"]
@@ -238,7 +232,7 @@ def _global_shape(func: Any, bound: dict[str, Any], x: ShardTensor) -> torch.Siz
 
 
 def _interpolate_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
-    bound = _bind(args, kwargs)
+    bound = bind(_ARGS, args, kwargs, _DEFAULTS)
     x = bound["input"]
     check_stencil_layout("interpolate", x, (), None)
     rest = {name: value for name, value in bound.items() if name != "input"}

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..shard_tensor import ShardTensor
+from ._args import bind, per_dim, single_device_shape
 from ._local import ShardedOpError, local_input, sharded_axes, wrap_local
 from .conv import check_stencil_layout, window_inside, window_outside, conv_output_split, conv_windows
 from .halo import Window, gather_window
@@ -168,30 +169,8 @@ def output_axis_sizes(x: ShardTensor, splits: Sequence[DimSplit]) -> list[tuple[
 
 
 # ----- argument handling ----------------------------------------------------------------------
-def _bind(names: Sequence[str], args: tuple, kwargs: dict) -> dict[str, Any]:
-    bound = dict(zip(names, args))
-    for name in names[len(args):]:
-        bound[name] = kwargs.get(name, _DEFAULTS.get(name))
-    return bound
-
-
-def _per_dim(value: Any, nd: int) -> tuple[int, ...]:
-    if isinstance(value, int):
-        return (value,) * nd
-    value = tuple(int(v) for v in value)
-    return value * nd if len(value) == 1 else value
-
-
-def _meta(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return torch.empty(value.shape, dtype=value.dtype, device="meta")
-    return value
-
-
-def _global_shape(func: Any, bound: dict[str, Any]) -> torch.Size:
-    """The single-device output shape; running torch's own checks raises its own errors."""
-    out = func(*(_meta(v) for v in bound.values()))
-    return (out[0] if isinstance(out, tuple) else out).shape
+def _bind_args(names: Sequence[str], args: tuple, kwargs: dict) -> dict[str, Any]:
+    return bind(names, args, kwargs, _DEFAULTS)
 
 
 # ----- geometry -------------------------------------------------------------------------------
@@ -212,10 +191,10 @@ class _Stencil:
 def _stencils(kind: str, bound: dict[str, Any], x: ShardTensor, out_shape: torch.Size, nd: int) -> list[_Stencil | None]:
     """Each pooled dim's stencil; None for a whole dim of an adaptive pool (the local op adapts it)."""
     if kind in ("max", "avg"):
-        kernel = _per_dim(bound["kernel_size"], nd)
-        stride = _per_dim(bound["stride"], nd) if bound["stride"] not in (None, [], ()) else kernel
-        dilation = _per_dim(bound["dilation"], nd) if kind == "max" else (1,) * nd
-        return [_Stencil(*params) for params in zip(kernel, stride, _per_dim(bound["padding"], nd), dilation)]
+        kernel = per_dim(bound["kernel_size"], nd)
+        stride = per_dim(bound["stride"], nd) if bound["stride"] not in (None, [], ()) else kernel
+        dilation = per_dim(bound["dilation"], nd) if kind == "max" else (1,) * nd
+        return [_Stencil(*params) for params in zip(kernel, stride, per_dim(bound["padding"], nd), dilation)]
     stencils: list[_Stencil | None] = []
     for dim in range(x.ndim - nd, x.ndim):
         extent, size = x.shape[dim], out_shape[dim]
@@ -325,7 +304,7 @@ def _drop_filler(t: torch.Tensor, splits: Sequence[DimSplit]) -> torch.Tensor:
 def _pool(func: Any, bound: dict[str, Any]) -> Any:
     kind, nd, with_indices = _POOLS[func]
     x = bound["input"]
-    out_shape = _global_shape(func, bound)
+    out_shape = single_device_shape(func, bound)
     stencils = _stencils(kind, bound, x, out_shape, nd)
     splits = _splits(x, out_shape, stencils)
     local = gather_inside(local_input(x), x, splits)
@@ -358,7 +337,7 @@ def _local_run(func: Any, bound: dict[str, Any], nd: int) -> Any:
 def _pool_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
     kind, nd, _ = _POOLS[func]
     names = _ARGS[kind][:-1] if (kind, nd) == ("avg", 1) else _ARGS[kind]  # avg_pool1d has no divisor_override
-    bound = _bind(names, args, kwargs)
+    bound = _bind_args(names, args, kwargs)
     x = bound["input"]
     check_stencil_layout(func.__name__, x, (), None)
     if not any(dim >= x.ndim - nd for _, dim in sharded_axes(x)):

@@ -1,0 +1,41 @@
+"""Argument handling shared by the stencil ops (convolution, pooling, interpolation)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["bind", "per_dim", "single_device_shape"]
+
+
+def bind(names: Sequence[str], args: tuple, kwargs: dict, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """Positional and keyword arguments of a torch.nn.functional call, by name, defaults filled in."""
+    bound = dict(zip(names, args))
+    for name in names[len(args):]:
+        bound[name] = kwargs.get(name, defaults.get(name))
+    return bound
+
+
+def per_dim(value: Any, nd: int) -> tuple[int, ...]:
+    """An int-or-sequence argument (kernel_size, stride, ...) as one int per spatial dim."""
+    if isinstance(value, int):
+        return (value,) * nd
+    value = tuple(int(v) for v in value)
+    return value * nd if len(value) == 1 else value
+
+
+def _meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.empty(value.shape, dtype=value.dtype, device="meta")
+    return value
+
+
+def single_device_shape(func: Any, bound: dict[str, Any]) -> torch.Size:
+    """The single-device output shape, from running ``func`` on meta tensors.
+
+    Running torch's own shape checks this way raises torch's own errors for invalid arguments.
+    """
+    out = func(*(_meta(v) for v in bound.values()))
+    return (out[0] if isinstance(out, tuple) else out).shape
