@@ -116,7 +116,7 @@ def assert_sharded_matches(
         return report
 
     generator = torch.Generator().manual_seed(seed)
-    ref_terms, shard_terms = [], []
+    ref_terms = []
     for actual, expected in zip(shard_list, ref_list):
         if not expected.requires_grad or not expected.is_floating_point():
             continue

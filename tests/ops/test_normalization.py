@@ -23,6 +23,8 @@ from physics_dp.shard_tensor import Partial, Replicate, Shard, ShardTensor, dist
 from physics_dp.testing import get_mesh, run_on_ranks
 from physics_dp.testing.compare import assert_sharded_matches
 
+from .test_shape_ops import run_combos, skewed_sizes
+
 # name -> (mesh shape, mesh axis names, tensor dim sharded by each mesh axis)
 LAYOUTS = {
     "1": ((1,), ("domain",), (2,)),
@@ -41,14 +43,6 @@ def world_of(layout: str) -> int:
     return shape[0] * (shape[1] if len(shape) > 1 else 1)
 
 
-def skewed_sizes(extent: int, parts: int) -> list[int]:
-    """One empty shard (the first, or the second when there are more than two), one row elsewhere, the rest last."""
-    sizes = [1] * parts
-    sizes[1 if parts > 2 else 0] = 0
-    sizes[-1] = extent - sum(sizes[:-1])
-    return sizes
-
-
 def sharding(layout: str, split: str, shape: tuple[int, ...]):
     """(mesh, placements, sharding sizes or None) for a tensor of ``shape`` on ``layout``."""
     mesh_shape, names, dims = LAYOUTS[layout]
@@ -62,16 +56,6 @@ def sharding(layout: str, split: str, shape: tuple[int, ...]):
 
 def randn(shape: tuple[int, ...], seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
-
-
-def run_combos(combos: dict[str, Callable[[], None]]) -> list[str]:
-    """Run each check; re-raise a failure with the name of its combination."""
-    for name, check in combos.items():
-        try:
-            check()
-        except Exception as error:
-            raise AssertionError(f"{name}: {type(error).__name__}: {error}") from error
-    return list(combos)
 
 
 # ----- module checks --------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ from physics_dp.shard_tensor import Partial, Replicate, Shard, ShardTensor, dist
 from physics_dp.testing import get_mesh, run_on_ranks
 from physics_dp.testing.compare import assert_sharded_matches
 
-from .test_halo import EXTENTS, LAYOUTS, SKEWED_H, SKEWED_W, SPLITS, world_of
+from .test_conv import _sizes
+from .test_halo import EXTENTS, LAYOUTS, SPLITS, world_of
 
 
 # ----- layouts shared with test_interpolation -----------------------------------------------------
@@ -42,19 +43,6 @@ def half_or_global(n: int) -> int:
     return n // 2 if n % 2 == 0 else 1
 
 
-def split_sizes(kind, shape, placements, mesh):
-    """The split of every sharded axis: balanced (None), or skewed (one-row and empty shards)."""
-    if kind != "skewed":
-        return None
-    table = (SKEWED_H, SKEWED_W)
-    sizes = {}
-    for axis, placement in enumerate(placements):
-        if isinstance(placement, Shard) and mesh.size(axis) > 1:
-            skew = table[axis].get(mesh.size(axis), table[0][mesh.size(axis)])
-            sizes[axis] = skew(shape[placement.dim])
-    return sizes
-
-
 def check_cases(cases, mesh_shape, split, names) -> int:
     """Run ``cases[name]`` = (factory(h, w), shape(h, w), placements(mesh)) sharded vs one device."""
     mesh = get_mesh(mesh_shape)
@@ -63,7 +51,7 @@ def check_cases(cases, mesh_shape, split, names) -> int:
         factory, shape_of, placements_of = cases[name]
         shape, placements = shape_of(h, w), placements_of(mesh)
         x = torch.randn(shape, generator=torch.Generator().manual_seed(index))
-        sizes = split_sizes(split, shape, placements, mesh)
+        sizes = _sizes(split, shape, placements, mesh)
         try:
             report = assert_sharded_matches(factory(h, w), [x], mesh, [placements], sharding_sizes=[sizes])
         except Exception as error:
