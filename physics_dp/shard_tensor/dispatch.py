@@ -250,17 +250,17 @@ def _pointwise_aten_local(op: torch._ops.OpOverload, args: tuple, kwargs: dict, 
             local_args.append(arg)
     if spec is None or spec.has_partial:
         return NotImplemented
-    for value in kwargs.values():
-        if isinstance(value, torch.Tensor):
+    if kwargs:
+        if any(isinstance(value, torch.Tensor) for value in kwargs.values()):
             return NotImplemented
+        if kwargs.get("memory_format") is torch.contiguous_format and spec.stride != contiguous_strides(spec.shape):
+            # Layout is decided from global information only: a slab's own strides differ
+            # between ranks where its extents are 0 or 1, and specs must agree on every rank.
+            spec = spec.replace()
     result = op._op(*local_args, **kwargs)
     if kind == _POINTWISE_INPLACE:
         return args[0]
-    if kwargs.get("memory_format") is torch.contiguous_format and spec.stride != contiguous_strides(spec.shape):
-        # Layout is decided from global information only: a slab's own strides differ between
-        # ranks where its extents are 0 or 1, and specs must agree on every rank.
-        spec = spec.replace()
-    if isinstance(result, tuple):
+    if type(result) is tuple:
         return tuple(cls(r, spec) for r in result)
     return cls(result, spec)
 
