@@ -2,5 +2,14 @@
 
 from .compare import MatchReport, assert_sharded_matches
 from .rank_pool import RankFailure, get_mesh, run_on_ranks, shutdown_pools
+from .traffic import forward_backward_traffic
 
-__all__ = ["MatchReport", "RankFailure", "assert_sharded_matches", "get_mesh", "run_on_ranks", "shutdown_pools"]
+__all__ = [
+    "MatchReport",
+    "RankFailure",
+    "assert_sharded_matches",
+    "forward_backward_traffic",
+    "get_mesh",
+    "run_on_ranks",
+    "shutdown_pools",
+]

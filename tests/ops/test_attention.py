@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -88,10 +90,7 @@ def _run(mesh_shape, skewed):
 @pytest.mark.parametrize("skewed", [False, True], ids=["balanced", "skewed"])
 @pytest.mark.parametrize("mesh_shape", LAYOUTS, ids=str)
 def test_attention_matches_single_device(mesh_shape, skewed):
-    world = 1
-    for s in mesh_shape:
-        world *= s
-    run_on_ranks(world, _run, mesh_shape, skewed)
+    run_on_ranks(math.prod(mesh_shape), _run, mesh_shape, skewed)
 
 
 def _ring_traffic(world):
@@ -153,7 +152,4 @@ def _mha(mesh_shape, causal):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("mesh_shape", LAYOUTS, ids=str)
 def test_multihead_attention_module_matches_single_device(mesh_shape, causal):
-    world = 1
-    for s in mesh_shape:
-        world *= s
-    run_on_ranks(world, _mha, mesh_shape, causal)
+    run_on_ranks(math.prod(mesh_shape), _mha, mesh_shape, causal)

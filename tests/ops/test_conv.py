@@ -16,7 +16,7 @@ from physics_dp.distributed.collectives import count_communication
 from physics_dp.ops._local import ShardedOpError
 from physics_dp.ops.conv import conv_output_split, transposed_output_split
 from physics_dp.shard_tensor import Partial, Replicate, Shard, ShardTensor, distribute_tensor
-from physics_dp.testing import get_mesh, run_on_ranks
+from physics_dp.testing import forward_backward_traffic, get_mesh, run_on_ranks
 from physics_dp.testing.compare import assert_sharded_matches
 
 from .test_halo import EXTENTS, LAYOUTS, SKEWED_H, SKEWED_W, SPLITS, world_of
@@ -204,15 +204,7 @@ def _conv_bytes(mesh_shape, kernel, stride, padding):
     placements = [Shard(2)] if mesh.ndim == 1 else [Shard(2), Shard(3)]
     x = distribute_tensor(torch.randn(2, 3, 12, 8), mesh, placements).requires_grad_(True)
     conv = nn.Conv2d(3, 4, kernel, stride=stride, padding=padding)
-    with count_communication() as forward:
-        y = conv(x)
-    with count_communication() as backward:
-        y.backward(torch.ones_like(y))
-    return (
-        tuple(mesh.get_coordinate()),
-        [(r.kind, r.bytes_sent) for r in forward.records],
-        [(r.kind, r.bytes_sent) for r in backward.records],
-    )
+    return (tuple(mesh.get_coordinate()), *forward_backward_traffic(conv, x))
 
 
 def _p2p(records):

@@ -7,6 +7,8 @@ checked against an accounting that shares no code with the planner.
 
 from __future__ import annotations
 
+import math
+
 import random
 
 import pytest
@@ -43,10 +45,7 @@ HALO_COMBOS = [
 
 
 def world_of(mesh_shape: tuple[int, ...]) -> int:
-    world = 1
-    for size in mesh_shape:
-        world *= size
-    return world
+    return math.prod(mesh_shape)
 
 
 def split_sizes(kind: str, extents: tuple[int, int], mesh) -> list[list[int]]:

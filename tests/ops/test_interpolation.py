@@ -15,11 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from physics_dp.distributed.collectives import count_communication
 from physics_dp.ops._local import ShardedOpError
 from physics_dp.ops.interpolation import dim_taps, resample, uses_vectorized_nearest
 from physics_dp.shard_tensor import Partial, Replicate, Shard, ShardTensor, distribute_tensor
-from physics_dp.testing import get_mesh, run_on_ranks
+from physics_dp.testing import forward_backward_traffic, get_mesh, run_on_ranks
 
 from .test_halo import LAYOUTS, SPLITS, world_of
 from .test_pooling import batch_and_length, check_cases, half_or_global, hw, spatial
@@ -176,15 +175,7 @@ def _upsample_bytes(mesh_shape, upsample):
     """(coordinate, forward records, backward records) of ``upsample`` on (2, 3, 12, 8) sharded on H (and W)."""
     mesh = get_mesh(mesh_shape)
     x = distribute_tensor(torch.randn(2, 3, 12, 8), mesh, hw(mesh)).requires_grad_(True)
-    with count_communication() as forward:
-        y = upsample(x)
-    with count_communication() as backward:
-        y.backward(torch.ones_like(y))
-    return (
-        tuple(mesh.get_coordinate()),
-        [(r.kind, r.bytes_sent) for r in forward.records],
-        [(r.kind, r.bytes_sent) for r in backward.records],
-    )
+    return (tuple(mesh.get_coordinate()), *forward_backward_traffic(upsample, x))
 
 
 @pytest.mark.parametrize("mesh_shape", [(2,), (3,), (4,), (2, 2)], ids=str)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -58,10 +60,7 @@ def _run(mesh_shape, skewed):
 @pytest.mark.parametrize("skewed", [False, True], ids=["balanced", "skewed"])
 @pytest.mark.parametrize("mesh_shape", LAYOUTS, ids=str)
 def test_linear_family_matches_single_device(mesh_shape, skewed):
-    world = 1
-    for s in mesh_shape:
-        world *= s
-    run_on_ranks(world, _run, mesh_shape, skewed)
+    run_on_ranks(math.prod(mesh_shape), _run, mesh_shape, skewed)
 
 
 def _linear_sends_only_weight_grads(world):

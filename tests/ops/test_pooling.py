@@ -17,7 +17,7 @@ from torch import nn
 from physics_dp.distributed.collectives import count_communication
 from physics_dp.ops._local import ShardedOpError
 from physics_dp.shard_tensor import Partial, Replicate, Shard, ShardTensor, distribute_tensor
-from physics_dp.testing import get_mesh, run_on_ranks
+from physics_dp.testing import forward_backward_traffic, get_mesh, run_on_ranks
 from physics_dp.testing.compare import assert_sharded_matches
 
 from .test_conv import _sizes
@@ -138,15 +138,7 @@ def _pool_bytes(mesh_shape, pool, shape):
     """(coordinate, forward records, backward records) of a pool on (N, C, H, W) sharded on H (and W)."""
     mesh = get_mesh(mesh_shape)
     x = distribute_tensor(torch.randn(shape), mesh, hw(mesh)).requires_grad_(True)
-    with count_communication() as forward:
-        y = pool(x)
-    with count_communication() as backward:
-        y.backward(torch.ones_like(y))
-    return (
-        tuple(mesh.get_coordinate()),
-        [(r.kind, r.bytes_sent) for r in forward.records],
-        [(r.kind, r.bytes_sent) for r in backward.records],
-    )
+    return (tuple(mesh.get_coordinate()), *forward_backward_traffic(pool, x))
 
 
 @pytest.mark.parametrize("mesh_shape", [(2,), (4,), (2, 2)], ids=str)

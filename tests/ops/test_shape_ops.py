@@ -9,6 +9,8 @@ layout helpers here are shared with ``test_fft.py`` and ``test_indexing.py``.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable
 
 import pytest
@@ -35,10 +37,7 @@ SHAPES = {"even": (2, 3, 8, 8), "uneven": (2, 3, 7, 5), "skewed": (2, 3, 7, 5)}
 
 
 def world_of(layout: str) -> int:
-    world = 1
-    for n in LAYOUTS[layout][0]:
-        world *= n
-    return world
+    return math.prod(LAYOUTS[layout][0])
 
 
 def skewed_sizes(extent: int, parts: int) -> list[int]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import itertools
 
 import torch
@@ -14,10 +16,7 @@ SHAPES = {"even": (12, 12), "uneven": (7, 5), "tiny": (2, 3)}
 
 
 def world_of(mesh_shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in mesh_shape:
-        n *= s
-    return n
+    return math.prod(mesh_shape)
 
 
 def global_tensor(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
