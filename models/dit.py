@@ -22,6 +22,7 @@ column index each fill half of the D channels), as in DiT.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -184,11 +185,7 @@ class DiT(nn.Module):
 
     def __init__(self, config: DiTConfig | None = None, **overrides):
         super().__init__()
-        if config is None:
-            config = DiTConfig(**overrides)
-        elif overrides:
-            config = DiTConfig(**{**config.__dict__, **overrides})
-        self.config = cfg = config
+        self.config = cfg = dataclasses.replace(config or DiTConfig(), **overrides)
         dim, p = cfg.hidden_size, cfg.patch_size
 
         self.x_embedder = nn.Conv2d(cfg.in_channels + cfg.cond_channels, dim, kernel_size=p, stride=p)

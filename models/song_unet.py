@@ -19,6 +19,7 @@ too, and W may differ from H.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -168,11 +169,7 @@ class SongUNet(nn.Module):
 
     def __init__(self, config: SongUNetConfig | None = None, **overrides):
         super().__init__()
-        if config is None:
-            config = SongUNetConfig(**overrides)
-        elif overrides:
-            config = SongUNetConfig(**{**config.__dict__, **overrides})
-        self.config = cfg = config
+        self.config = cfg = dataclasses.replace(config or SongUNetConfig(), **overrides)
         mc, emb_dim = cfg.model_channels, cfg.emb_dim
 
         # Noise embedding: sinusoidal features, then an MLP.

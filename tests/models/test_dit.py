@@ -11,6 +11,8 @@ from physics_dp.models.dit import DiT, DiTConfig, sincos_pos_embed_2d
 from physics_dp.shard_tensor import Shard
 from physics_dp.testing import assert_sharded_matches, get_mesh, run_on_ranks
 
+from .test_song_unet import _inputs
+
 TINY = dict(
     input_size=(16, 12),
     patch_size=2,
@@ -36,14 +38,6 @@ def _tiny(seed: int = 0, randomize_zero_init: bool = True, **overrides) -> DiT:
                 if not p.any():
                     p.normal_(0.0, 0.2)
     return model
-
-
-def _inputs(height: int, width: int, seed: int = 1):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(2, 2, height, width, generator=gen)
-    noise_labels = torch.randn(2, generator=gen)
-    condition = torch.randn(2, 1, height, width, generator=gen)
-    return x, noise_labels, condition
 
 
 @pytest.mark.parametrize("size", [(16, 12), (16, 16), (8, 20)], ids=lambda s: f"{s[0]}x{s[1]}")

@@ -13,22 +13,12 @@ from physics_dp.models.song_unet import SongUNet, SongUNetConfig
 from physics_dp.shard_tensor import Shard
 from physics_dp.testing import assert_sharded_matches, get_mesh, run_on_ranks
 
-TINY_UNET = dict(
-    img_resolution=16,
-    in_channels=2,
-    out_channels=2,
-    cond_channels=1,
-    model_channels=8,
-    channel_mult=(1, 2),
-    num_blocks=1,
-    attn_resolutions=(8,),
-    num_heads=2,
-)
+from .test_song_unet import TINY
 
 
 def _precond(seed: int = 0, sigma_data: float = 0.5) -> EDMPrecond:
     torch.manual_seed(seed)
-    return EDMPrecond(SongUNet(SongUNetConfig(**TINY_UNET)), sigma_data=sigma_data)
+    return EDMPrecond(SongUNet(SongUNetConfig(**TINY)), sigma_data=sigma_data)
 
 
 def _inputs(height: int, width: int, seed: int = 1):
