@@ -2,6 +2,19 @@
 
 from .dit import DiT, DiTConfig
 from .edm import EDMPrecond, edm_coefficients
+from .factory import ARCHITECTURES, build_backbone, build_regression_unet
 from .song_unet import SongUNet, SongUNetConfig
+from .stormcast import StormCastUNet
 
-__all__ = ["DiT", "DiTConfig", "EDMPrecond", "SongUNet", "SongUNetConfig", "edm_coefficients"]
+__all__ = [
+    "ARCHITECTURES",
+    "DiT",
+    "DiTConfig",
+    "EDMPrecond",
+    "SongUNet",
+    "SongUNetConfig",
+    "StormCastUNet",
+    "build_backbone",
+    "build_regression_unet",
+    "edm_coefficients",
+]

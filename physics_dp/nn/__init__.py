@@ -1,5 +1,18 @@
-"""Module-level parallelism: replicas synced over the mesh, gradients reduced once."""
+"""Module-level parallelism: replicas synced over the mesh, gradients reduced once, FSDP2/DDP on top."""
 
+from .fsdp_adapter import FSDPOutputTensorAdapter, distribute_over_domain_for_fsdp, wrap_for_fsdp
 from .module_sync import all_reduce_gradients, distribute_module, sync_module_over_mesh
+from .parallelize import ParallelModel, data_size, domain_mesh, parallelize
 
-__all__ = ["all_reduce_gradients", "distribute_module", "sync_module_over_mesh"]
+__all__ = [
+    "FSDPOutputTensorAdapter",
+    "ParallelModel",
+    "all_reduce_gradients",
+    "data_size",
+    "distribute_module",
+    "distribute_over_domain_for_fsdp",
+    "domain_mesh",
+    "parallelize",
+    "sync_module_over_mesh",
+    "wrap_for_fsdp",
+]

@@ -27,8 +27,11 @@ def per_dim(value: Any, nd: int) -> tuple[int, ...]:
 
 
 def _meta(value: Any) -> Any:
+    # Floating dtypes are unified: only the shape is wanted, and under autocast the real inputs may
+    # mix bf16 activations with fp32 parameters (autocast casts them on the device, not on meta).
     if isinstance(value, torch.Tensor):
-        return torch.empty(value.shape, dtype=value.dtype, device="meta")
+        dtype = torch.float32 if value.is_floating_point() else value.dtype
+        return torch.empty(value.shape, dtype=dtype, device="meta")
     return value
 
 

@@ -159,8 +159,10 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, meta: RingMeta):  # type: ignore[override]
         e_k = k.shape[-1]
-        out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        # Blocks merge in at least fp32 (the fused kernel's lse is fp32 even for bf16 inputs).
+        acc = torch.promote_types(q.dtype, torch.float32)
+        out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         block = torch.cat([k, v], dim=-1)
         for step in range(meta.size):
             owner = (meta.me - step) % meta.size
@@ -170,6 +172,7 @@ class _RingAttention(torch.autograd.Function):
             out, lse = _merge(out, lse, block_out, block_lse)
             if pending is not None:
                 block = pending.wait()[(meta.me - 1) % meta.size]
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.meta = meta
         return out

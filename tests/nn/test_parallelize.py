@@ -1,0 +1,262 @@
+"""parallelize: data (FSDP2 / DDP) x domain meshes give one device's outputs, loss, gradients and
+optimizer step, for every model at its ``test`` size."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from importlib import resources
+
+import pytest
+import torch
+import yaml
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from physics_dp.models import EDMPrecond, build_backbone, build_regression_unet
+from physics_dp.nn import FSDPOutputTensorAdapter, domain_mesh, parallelize
+from physics_dp.shard_tensor import Shard, distribute_tensor
+from physics_dp.testing import get_mesh, run_on_ranks
+
+GRID = (16, 12)
+STATE, COND = 2, 3
+GLOBAL_BATCH = 2
+
+# (mesh shape, axis names): data x domain, plus a 2-D H x W domain decomposition.
+LAYOUTS = {
+    "1x1": ((1, 1), ("data", "domain")),
+    "1x2": ((1, 2), ("data", "domain")),
+    "1x3": ((1, 3), ("data", "domain")),
+    "1x4": ((1, 4), ("data", "domain")),
+    "2x2": ((2, 2), ("data", "domain")),
+    "1x2x2_HxW": ((1, 2, 2), ("data", "domain_h", "domain_w")),
+}
+
+
+def _test_config() -> dict:
+    text = resources.files("physics_dp.configs").joinpath("model/test.yaml").read_text()
+    return yaml.safe_load(text)
+
+
+def _build(kind: str) -> nn.Module:
+    """The ``test``-size model; adaLN-Zero and other zero-initialized weights are randomized so that
+    every gradient is non-trivial."""
+    cfg = _test_config()
+    torch.manual_seed(0)
+    if kind == "regression":
+        model = build_regression_unet(
+            grid_shape=GRID, in_channels=STATE, out_channels=STATE, cond_channels=COND, options=cfg["regression"]
+        )
+    else:
+        architecture = kind.removeprefix("diffusion_")
+        net = build_backbone(
+            architecture,
+            grid_shape=GRID,
+            in_channels=STATE,
+            out_channels=STATE,
+            cond_channels=COND,
+            options=cfg["diffusion"][architecture],
+        )
+        model = EDMPrecond(net, sigma_data=cfg["diffusion"]["sigma_data"])
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.any():
+                p.normal_(0.0, 0.2)
+    return model
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return {
+        "x": torch.randn(GLOBAL_BATCH, STATE, *GRID, generator=gen),
+        "condition": torch.randn(GLOBAL_BATCH, COND, *GRID, generator=gen),
+        "target": torch.randn(GLOBAL_BATCH, STATE, *GRID, generator=gen),
+        "sigma": torch.exp(torch.randn(GLOBAL_BATCH, generator=gen) * 1.2 - 1.2),
+    }
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    # Adam's first step is sign(grad) * lr wherever |grad| << eps fails to hold; eps = 1e-4 keeps
+    # that amplification of fp32 rounding (lr / eps = 10) small enough to compare at 1e-4.
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4, weight_decay=0.01)
+
+
+def _call(kind: str, model: nn.Module, x, condition, sigma):
+    return model(x, condition) if kind == "regression" else model(x, sigma, condition)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, (DTensor,)) or hasattr(t, "full_tensor") else t
+
+
+def _equivalence(kind: str, layout: str, data_parallel: str) -> dict[str, float]:
+    shape, names = LAYOUTS[layout]
+    mesh = get_mesh(shape, names)
+    batch = _batch()
+    model = _build(kind)
+    reference = copy.deepcopy(model)
+    ref_optim = _optimizer(reference)
+
+    ref_x = batch["x"].clone().requires_grad_(True)
+    ref_out = _call(kind, reference, ref_x, batch["condition"], batch["sigma"])
+    ref_loss = ((ref_out - batch["target"]) ** 2).mean()
+    ref_loss.backward()
+    ref_optim.step()
+
+    parallel = parallelize(model, mesh, data_parallel)
+    optim = _optimizer(parallel.model)
+    domain = domain_mesh(mesh)
+    placements = [Shard(2)] if domain.ndim == 1 else [Shard(2), Shard(3)]
+    replicas, replica = mesh.size(0), mesh.get_local_rank(0)
+    rows = slice(replica * GLOBAL_BATCH // replicas, (replica + 1) * GLOBAL_BATCH // replicas)
+
+    def shard(t: torch.Tensor) -> torch.Tensor:
+        return distribute_tensor(t[rows].contiguous(), domain, placements)
+
+    x = shard(batch["x"]).requires_grad_(True)
+    out = _call(kind, parallel, x, shard(batch["condition"]), batch["sigma"][rows])
+    loss = ((out - shard(batch["target"])) ** 2).mean()  # the global mean over this replica's domain
+    loss.backward()
+    optim.step()
+
+    worst = {
+        "output": (out.full_tensor() - ref_out[rows]).abs().max().item(),
+        # Each replica's loss is the mean over its samples; FSDP/DDP average the replicas.
+        "loss_replica": loss.full_tensor().item(),
+        # d(replica loss)/dx = replicas * d(global loss)/dx.
+        "input_grad": (x.grad.full_tensor() / replicas - ref_x.grad[rows]).abs().max().item(),
+        "param_grad": 0.0,
+        "param_after_step": 0.0,
+    }
+    ref_params = dict(reference.named_parameters())
+    for name, param in parallel.model.named_parameters():
+        worst["param_grad"] = max(worst["param_grad"], (_full(param.grad) - ref_params[name].grad).abs().max().item())
+        worst["param_after_step"] = max(worst["param_after_step"], (_full(param.detach()) - ref_params[name].detach()).abs().max().item())
+    worst["ref_loss"] = ref_loss.item()
+    worst["output_type"] = type(out).__name__
+    return worst
+
+
+@pytest.mark.parametrize("data_parallel", ["fsdp", "ddp"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("kind", ["regression", "diffusion_unet", "diffusion_dit"])
+def test_matches_single_device(kind, layout, data_parallel):
+    world = math.prod(LAYOUTS[layout][0])
+    results = run_on_ranks(world, _equivalence, kind, layout, data_parallel, timeout=180.0)
+    replicas = LAYOUTS[layout][0][0]
+    for rank, worst in enumerate(results):
+        assert worst["output_type"] == "ShardTensor"
+        for key in ("output", "input_grad", "param_grad", "param_after_step"):
+            assert worst[key] < 1e-4, f"rank {rank}: {key} differs by {worst[key]:.3e}"
+    # The replicas' losses average to the single-device loss over the whole batch.
+    per_replica = [results[r]["loss_replica"] for r in range(0, world, world // replicas)]
+    assert sum(per_replica) / replicas == pytest.approx(results[0]["ref_loss"], rel=1e-5, abs=1e-6)
+
+
+def _bf16_close(data_parallel: str) -> float:
+    """bf16 compute stays within bf16 rounding of the fp32 single-device gradients."""
+    mesh = get_mesh((2, 1), ("data", "domain"))
+    batch = _batch()
+    model = _build("regression")
+    reference = copy.deepcopy(model)
+    ref_loss = ((reference(batch["x"], batch["condition"]) - batch["target"]) ** 2).mean()
+    ref_loss.backward()
+    parallel = parallelize(model, mesh, data_parallel, mixed_precision="bf16")
+    replica = mesh.get_local_rank(0)
+    domain = domain_mesh(mesh)
+    rows = slice(replica, replica + 1)
+    out = parallel(distribute_tensor(batch["x"][rows], domain, [Shard(2)]), distribute_tensor(batch["condition"][rows], domain, [Shard(2)]))
+    assert out.dtype == torch.bfloat16
+    loss = ((out.float() - distribute_tensor(batch["target"][rows], domain, [Shard(2)])) ** 2).mean()
+    loss.backward()
+    ref_params = dict(reference.named_parameters())
+    worst = 0.0
+    for name, param in parallel.model.named_parameters():
+        grad = _full(param.grad)
+        assert grad.dtype == torch.float32
+        scale = ref_params[name].grad.abs().max().item() + 1e-3
+        worst = max(worst, (grad - ref_params[name].grad).abs().max().item() / scale)
+    return worst
+
+
+@pytest.mark.parametrize("data_parallel", ["fsdp", "ddp"])
+def test_bf16_compute_fp32_gradients(data_parallel):
+    for worst in run_on_ranks(2, _bf16_close, data_parallel, timeout=120.0):
+        assert worst < 0.1
+
+
+def _none_with_replicas() -> str:
+    mesh = get_mesh((2, 1), ("data", "domain"))
+    try:
+        parallelize(nn.Linear(2, 2), mesh, "none")
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+def test_no_data_parallel_refuses_replicas():
+    for message in run_on_ranks(2, _none_with_replicas):
+        assert "data_parallel='none'" in message and "2 data replicas" in message
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="data_parallel must be"):
+        parallelize(nn.Linear(2, 2), None, "zero3")  # type: ignore[arg-type]
+
+
+def test_adapter_restore_requires_forward():
+    with pytest.raises(RuntimeError, match="before any forward"):
+        FSDPOutputTensorAdapter(nn.Identity()).restore(torch.ones(1))
+
+
+def _adapter_round_trip() -> tuple[str, str, list[int]]:
+    mesh = get_mesh((2,), ("domain",))
+    adapter = FSDPOutputTensorAdapter(nn.Conv2d(1, 1, 3, padding=1))
+    x = distribute_tensor(torch.randn(1, 1, 5, 4), mesh, [Shard(2)])
+    local = adapter(x)
+    restored = adapter.restore(local)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        wrong = ""
+        try:
+            adapter.restore([local, local])
+        except RuntimeError as error:
+            wrong = str(error)
+    return type(local).__name__, wrong, list(restored.shape)
+
+
+def test_adapter_hands_out_slabs_and_restores_layout():
+    for kind, wrong, shape in run_on_ranks(2, _adapter_round_trip):
+        assert kind == "Tensor"
+        assert "restore got 2 outputs" in wrong
+        assert shape == [1, 1, 5, 4]
+
+
+def _train_five_steps(layout: tuple[int, int], data_parallel: str) -> dict[str, torch.Tensor]:
+    """Five AdamW steps on a fixed stream of global batches; returns the final parameters."""
+    mesh = get_mesh(layout, ("data", "domain"))
+    parallel = parallelize(_build("regression"), mesh, data_parallel)
+    optim = _optimizer(parallel.model)
+    domain = domain_mesh(mesh)
+    replicas, replica = mesh.size(0), mesh.get_local_rank(0)
+    for step in range(5):
+        gen = torch.Generator().manual_seed(100 + step)
+        x, condition, target = (torch.randn(4, c, *GRID, generator=gen) for c in (STATE, COND, STATE))
+        rows = slice(replica * 4 // replicas, (replica + 1) * 4 // replicas)
+        out = parallel(distribute_tensor(x[rows], domain, [Shard(2)]), distribute_tensor(condition[rows], domain, [Shard(2)]))
+        loss = ((out - distribute_tensor(target[rows], domain, [Shard(2)])) ** 2).mean()
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+    return {name: _full(p.detach()).clone() for name, p in parallel.model.named_parameters()}
+
+
+@pytest.mark.parametrize("data_parallel", ["fsdp", "ddp"])
+def test_five_training_steps_agree_across_layouts(data_parallel):
+    reference = run_on_ranks(1, _train_five_steps, (1, 1), data_parallel, timeout=180.0)[0]
+    for layout in [(2, 1), (1, 2)]:
+        for rank, params in enumerate(run_on_ranks(2, _train_five_steps, layout, data_parallel, timeout=180.0)):
+            for name, value in params.items():
+                diff = (value - reference[name]).abs().max().item()
+                assert diff < 1e-4, f"layout {layout} rank {rank}: {name} differs from 1x1 by {diff:.3e}"
