@@ -1,0 +1,89 @@
+"""Finding netCDF files and reading their time coordinates, with one lock around the netCDF library.
+
+HDF5 (under netCDF4) is usually built without thread safety, and the loader reads in a background
+thread while the main thread may open other datasets, so every call into netCDF4 made by this
+package holds ``NETCDF_LOCK``.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import threading
+from collections.abc import Sequence
+
+import netCDF4
+import numpy as np
+
+NETCDF_LOCK = threading.RLock()
+EPOCH_UNITS = "hours since 1970-01-01 00:00:00"
+
+
+def resolve_paths(value: str | os.PathLike | Sequence[str | os.PathLike], what: str) -> list[str]:
+    """Expand a path, a glob, or a list of either into absolute paths (sorted within each glob)."""
+    items = [value] if isinstance(value, (str, os.PathLike)) else list(value)
+    if not items:
+        raise ValueError(f"{what}: the file list is empty; give a path, a glob pattern or a list of paths")
+    paths: list[str] = []
+    for item in items:
+        text = os.fspath(item)
+        if glob.has_magic(text):
+            matches = sorted(glob.glob(text))
+            if not matches:
+                raise FileNotFoundError(
+                    f"{what}: no file matches the pattern {text!r}; check the directory and the pattern "
+                    "(e.g. write synthetic data with `python -m physics_dp.data.synthetic --out DIR`)"
+                )
+        elif os.path.isfile(text):
+            matches = [text]
+        else:
+            raise FileNotFoundError(f"{what}: the file {text!r} does not exist; check the path")
+        paths.extend(os.path.abspath(m) for m in matches)
+    return list(dict.fromkeys(paths))
+
+
+class FilePool:
+    """Open netCDF4 handles, one per path, opened on first use (reopening per read costs milliseconds)."""
+
+    def __init__(self) -> None:
+        self._handles: dict[str, netCDF4.Dataset] = {}
+
+    def get(self, path: str) -> netCDF4.Dataset:
+        with NETCDF_LOCK:
+            handle = self._handles.get(path)
+            if handle is None:
+                handle = netCDF4.Dataset(path, "r")
+                self._handles[path] = handle
+            return handle
+
+    def close(self) -> None:
+        with NETCDF_LOCK:
+            for handle in self._handles.values():
+                handle.close()
+            self._handles.clear()
+
+
+def find_time_variable(ds: netCDF4.Dataset) -> netCDF4.Variable | None:
+    """The CF time coordinate: a 1-D variable named after its dim, called 'time' or marked axis='T'."""
+    for name, var in ds.variables.items():
+        if var.dimensions != (name,):
+            continue
+        if name == "time" or getattr(var, "axis", "") == "T" or getattr(var, "standard_name", "") == "time":
+            return var
+    return None
+
+
+def time_hours(var: netCDF4.Variable) -> np.ndarray:
+    """Time values as float hours since 1970, so files with different reference dates compare equal."""
+    values = np.asarray(var[:], dtype=np.float64)
+    units = getattr(var, "units", "")
+    if " since " not in units:
+        return values
+    calendar = getattr(var, "calendar", "standard")
+    dates = netCDF4.num2date(values, units, calendar=calendar)
+    return np.asarray(netCDF4.date2num(dates, EPOCH_UNITS, calendar=calendar), dtype=np.float64)
+
+
+def describe_time(hours: float) -> str:
+    """A readable date for error messages."""
+    return str(netCDF4.num2date(hours, EPOCH_UNITS))

@@ -1,0 +1,1 @@
+"""Training utilities: logging, plots, metrics."""
