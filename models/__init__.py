@@ -2,7 +2,8 @@
 
 from .dit import DiT, DiTConfig
 from .edm import EDMPrecond, edm_coefficients
-from .factory import ARCHITECTURES, build_backbone, build_regression_unet
+from .factory import ARCHITECTURES, build_backbone, build_regression_unet, grid_multiple
+from .padding import PadToMultiple
 from .song_unet import SongUNet, SongUNetConfig
 from .stormcast import StormCastUNet
 
@@ -11,10 +12,12 @@ __all__ = [
     "DiT",
     "DiTConfig",
     "EDMPrecond",
+    "PadToMultiple",
     "SongUNet",
     "SongUNetConfig",
     "StormCastUNet",
     "build_backbone",
     "build_regression_unet",
     "edm_coefficients",
+    "grid_multiple",
 ]

@@ -152,7 +152,7 @@ def gather_sizes(values: Sequence[int], group: ProcessGroup) -> list[list[int]]:
         return [mine.tolist()]
     out = torch.empty(world * len(values), dtype=torch.int64)
     _record("all_gather_sizes", _nbytes(mine) * (world - 1))
-    dist.all_gather_into_tensor(out, mine, group=group)
+    dist.all_gather_single(out, mine, group=group)
     return out.view(world, len(values)).tolist()
 
 

@@ -1,0 +1,139 @@
+"""From the ``data`` config to this rank's datasets and loaders, and batches to ShardTensors.
+
+Each domain rank reads only its rows of every sample (the default balanced split, the one
+``ShardTensor.from_local(..., sharding_shapes="chunk")`` assumes); data-parallel ranks read
+different samples.  Statistics are computed once, on global rank 0, and shared.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..config import DataConfig
+from ..data import DataSpec, ShardedLoader, Stats, WeatherDataset, load_or_compute_stats
+from ..shard_tensor import Shard, ShardTensor
+
+__all__ = ["DataBundle", "build_data", "data_spec", "row_window", "shard_batch", "FIELD_KEYS"]
+
+FIELD_KEYS = ("state", "target", "mask", "background", "invariants")
+
+
+def default_cache_dir() -> str:
+    return os.environ.get("PHYSICS_DP_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "physics_dp"))
+
+
+def data_spec(cfg: DataConfig) -> DataSpec:
+    """The netCDF files to read: the user's, or the built-in synthetic set (written once, shared
+    by every process through a lock file)."""
+    train = tuple(cfg.train_times) if cfg.train_times is not None else None
+    valid = tuple(cfg.valid_times) if cfg.valid_times is not None else None
+    if cfg.source == "synthetic":
+        from ..data.synthetic import write_synthetic_dataset
+
+        syn = cfg.synthetic
+        root = cfg.root or os.path.join(
+            default_cache_dir(), f"synthetic-t{syn.n_times}-{syn.height}x{syn.width}-seed{syn.seed}"
+        )
+        paths = write_synthetic_dataset(root, n_times=syn.n_times, height=syn.height, width=syn.width, seed=syn.seed)
+        return DataSpec(
+            state_files=paths.state_glob,
+            state_variables=list(paths.state_variables),
+            background_files=paths.background_glob,
+            background_variables=list(paths.background_variables),
+            invariant_file=paths.invariant_file,
+            invariant_variables=list(paths.invariant_variables),
+            lead_time=cfg.lead_time,
+            train_times=train,
+            valid_times=valid,
+            stats_file=cfg.stats_file,
+        )
+    return DataSpec(
+        state_files=cfg.state_files,
+        state_variables=list(cfg.state_variables),
+        background_files=cfg.background_files,
+        background_variables=list(cfg.background_variables),
+        invariant_file=cfg.invariant_file,
+        invariant_variables=list(cfg.invariant_variables),
+        level=cfg.level,
+        lead_time=cfg.lead_time,
+        train_times=train,
+        valid_times=valid,
+        stats_file=cfg.stats_file,
+    )
+
+
+def row_window(height: int, parts: int, index: int) -> tuple[int, int]:
+    """Rows [r0, r1) of part ``index`` in the balanced split of ``height`` rows (larger parts first)."""
+    sizes = [len(chunk) for chunk in torch.arange(height).tensor_split(parts)]
+    start = sum(sizes[:index])
+    return start, start + sizes[index]
+
+
+def shared_stats(spec: DataSpec) -> Stats:
+    """Statistics computed (or read from the cache) by rank 0 first, then read by the others."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return load_or_compute_stats(spec)
+    box: list[object] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = load_or_compute_stats(spec)
+        except Exception as error:  # every rank must learn of it, not hang in the broadcast
+            box[0] = error
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    return box[0]  # type: ignore[return-value]
+
+
+@dataclass
+class DataBundle:
+    spec: DataSpec
+    stats: Stats
+    train: WeatherDataset
+    valid: WeatherDataset
+    train_loader: ShardedLoader
+    valid_loader: ShardedLoader
+    grid_shape: tuple[int, int]
+    channel_names: dict[str, list[str]]
+
+    def close(self) -> None:
+        for item in (self.train_loader, self.valid_loader, self.train, self.valid):
+            item.close()
+
+
+def build_data(cfg: DataConfig, mesh: DeviceMesh, per_rank_batch: int, seed: int) -> DataBundle:
+    """Datasets reading this domain rank's rows and loaders for this data rank."""
+    spec = data_spec(cfg)
+    stats = shared_stats(spec)
+    names = mesh.mesh_dim_names
+    domain_size, domain_rank = mesh.size(names.index("domain")), mesh.get_local_rank("domain")
+    data_size, data_rank = mesh.size(names.index("data")), mesh.get_local_rank("data")
+    probe = WeatherDataset(spec, "train", stats=stats, rows=(0, 1))
+    height, width = probe.grid_shape
+    probe.close()
+    if height < domain_size:
+        raise ValueError(f"the grid has {height} rows, fewer than parallel.domain_size={domain_size}; use fewer domain ranks")
+    rows = row_window(height, domain_size, domain_rank)
+    train = WeatherDataset(spec, "train", rows=rows, stats=stats)
+    valid = WeatherDataset(spec, "valid", rows=rows, stats=stats)
+    train_loader = ShardedLoader(train, per_rank_batch, data_rank, data_size, seed, shuffle=True, prefetch=cfg.prefetch)
+    valid_loader = ShardedLoader(valid, per_rank_batch, data_rank, data_size, seed, shuffle=False, prefetch=0)
+    return DataBundle(spec, stats, train, valid, train_loader, valid_loader, (height, width), train.channel_names)
+
+
+def shard_batch(batch: dict[str, torch.Tensor], domain_mesh: DeviceMesh, grid_shape: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """Wrap each (n, C, rows, W) slab as a ShardTensor of the global (n, C, H, W) field; other
+    entries pass through."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in batch.items():
+        if key in FIELD_KEYS:
+            shape = (value.shape[0], value.shape[1], *grid_shape)
+            out[key] = ShardTensor.from_local(value, domain_mesh, [Shard(2)], sharding_shapes="chunk", global_shape=shape)
+        else:
+            out[key] = value
+    return out
