@@ -97,12 +97,11 @@ class DataBundle:
     train: WeatherDataset
     valid: WeatherDataset
     train_loader: ShardedLoader
-    valid_loader: ShardedLoader
     grid_shape: tuple[int, int]
     channel_names: dict[str, list[str]]
 
     def close(self) -> None:
-        for item in (self.train_loader, self.valid_loader, self.train, self.valid):
+        for item in (self.train_loader, self.train, self.valid):
             item.close()
 
 
@@ -122,8 +121,7 @@ def build_data(cfg: DataConfig, mesh: DeviceMesh, per_rank_batch: int, seed: int
     train = WeatherDataset(spec, "train", rows=rows, stats=stats)
     valid = WeatherDataset(spec, "valid", rows=rows, stats=stats)
     train_loader = ShardedLoader(train, per_rank_batch, data_rank, data_size, seed, shuffle=True, prefetch=cfg.prefetch)
-    valid_loader = ShardedLoader(valid, per_rank_batch, data_rank, data_size, seed, shuffle=False, prefetch=0)
-    return DataBundle(spec, stats, train, valid, train_loader, valid_loader, (height, width), train.channel_names)
+    return DataBundle(spec, stats, train, valid, train_loader, (height, width), train.channel_names)
 
 
 def shard_batch(batch: dict[str, torch.Tensor], domain_mesh: DeviceMesh, grid_shape: tuple[int, int]) -> dict[str, torch.Tensor]:

@@ -80,6 +80,11 @@ def train(cfg: DictConfig) -> dict:
 
     try:
         results = run_recipe(cfg, mesh, data, run_dir, logger)
+        # Which (rows, cols) windows of each variable this rank read from disk: its rows only.
+        results["windows_read"] = {
+            group: {var: sorted(windows) for var, windows in counts.windows.items()}
+            for group, counts in data.train.read_counts().items()
+        }
     finally:
         logger.close()
         data.close()

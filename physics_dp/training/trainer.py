@@ -88,8 +88,10 @@ class Trainer:
         return collectives.all_reduce(value.detach().reshape(1).double(), "avg", self.data_group).item()
 
     def _validation_batches(self):
-        """The first ``validation_batches`` global batches of the validation split, in order."""
-        dataset, b = self.data.valid, self.data.valid_loader.batch_size
+        """The first ``validation_batches`` global batches of the validation split, in order
+        (smaller batches than in training when the split is short)."""
+        dataset = self.data.valid
+        b = max(1, min(self.data.train_loader.batch_size, len(dataset) // self.data_size))
         micro = b * self.data_size
         for i in range(min(self.cfg.training.validation_batches, len(dataset) // micro)):
             first = i * micro + self.data_rank * b
