@@ -28,7 +28,7 @@ from .optim import build_optimizer, build_scheduler
 from .plots import plot_prediction, plot_spectra
 from .task import Task
 
-__all__ = ["StageResult", "Trainer", "check_grid_fits"]
+__all__ = ["StageResult", "Trainer", "check_grid_fits", "replica_sample_ids"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,17 @@ def check_grid_fits(height: int, domain_size: int, multiple: int) -> None:
             f"parallel.domain_size={domain_size} (each domain rank needs at least one row there): use fewer domain "
             "ranks, a larger grid, or fewer U-Net levels"
         )
+
+
+def replica_sample_ids(position: dict, steps_per_epoch: int, batch_size: int, data_rank: int, data_size: int) -> torch.Tensor:
+    """Global indices of a data replica's samples in the stream of global micro-batches.
+
+    They key the diffusion noise: domain ranks of a replica share them (one field, split), data
+    replicas get disjoint ones, and the union over replicas does not depend on the layout.
+    """
+    micro = batch_size * data_size
+    first = (position["epoch"] * steps_per_epoch + position["step"]) * micro + data_rank * batch_size
+    return torch.arange(first, first + batch_size)
 
 
 def _plain(value: torch.Tensor) -> torch.Tensor:
@@ -78,11 +89,8 @@ class Trainer:
 
     # ----- pieces ------------------------------------------------------------------------------
     def _sample_ids(self, position: dict) -> torch.Tensor:
-        """Global indices of this replica's samples in the stream of global micro-batches."""
         loader = self.data.train_loader
-        micro = loader.batch_size * self.data_size
-        first = (position["epoch"] * loader.steps_per_epoch + position["step"]) * micro + self.data_rank * loader.batch_size
-        return torch.arange(first, first + loader.batch_size)
+        return replica_sample_ids(position, loader.steps_per_epoch, loader.batch_size, self.data_rank, self.data_size)
 
     def _replica_mean(self, value: torch.Tensor) -> float:
         return collectives.all_reduce(value.detach().reshape(1).double(), "avg", self.data_group).item()
