@@ -84,7 +84,7 @@ class EDMLoss:
                     f"channel_weights must have shape ({channels},) (one weight per channel), "
                     f"got {tuple(channel_weights.shape)}"
                 )
-            error = error * channel_weights.to(error.dtype).view(1, channels, *([1] * (target.ndim - 2)))
+            error = error * channel_weights.to(device=error.device, dtype=error.dtype).view(1, channels, *([1] * (target.ndim - 2)))
         if mask is None:
             return _plain_scalar(error.sum()) / target.numel()
         if mask.dtype != torch.bool or mask.shape != target.shape:

@@ -61,9 +61,11 @@ class _SumGradOverAxes(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        # Low-precision shares (bf16 compute) are summed in fp32: the sum is the gradient itself.
+        summed = grad.float() if grad.dtype in (torch.bfloat16, torch.float16) else grad
         for group in groups_spanning(ctx.mesh, ctx.axes):
-            grad = collectives.all_reduce(grad, "sum", group)
-        return grad, None, None
+            summed = collectives.all_reduce(summed, "sum", group)
+        return summed.to(grad.dtype), None, None
 
 
 def groups_spanning(mesh, axes: tuple[int, ...]) -> list:

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from ..distributed import DistributedManager
 from ..nn import sync_module_over_mesh
 from ..training.trainer import Trainer, check_grid_fits
 from .conditioning import Channels
@@ -28,7 +29,7 @@ def load_regression(cfg: DictConfig, channels: Channels, grid_shape, path: Path,
         )
     model = build_regression_model(cfg.model, channels, grid_shape)
     model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-    return sync_module_over_mesh(model, mesh)
+    return sync_module_over_mesh(model.to(DistributedManager().device), mesh)
 
 
 def _multiple(cfg: DictConfig, stage: str) -> int:

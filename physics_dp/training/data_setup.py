@@ -124,14 +124,17 @@ def build_data(cfg: DataConfig, mesh: DeviceMesh, per_rank_batch: int, seed: int
     return DataBundle(spec, stats, train, valid, train_loader, (height, width), train.channel_names)
 
 
-def shard_batch(batch: dict[str, torch.Tensor], domain_mesh: DeviceMesh, grid_shape: tuple[int, int]) -> dict[str, torch.Tensor]:
-    """Wrap each (n, C, rows, W) slab as a ShardTensor of the global (n, C, H, W) field; other
-    entries pass through."""
+def shard_batch(
+    batch: dict[str, torch.Tensor], domain_mesh: DeviceMesh, grid_shape: tuple[int, int], device: torch.device | None = None
+) -> dict[str, torch.Tensor]:
+    """Wrap each (n, C, rows, W) slab, moved to ``device``, as a ShardTensor of the global
+    (n, C, H, W) field; other entries pass through."""
     out: dict[str, torch.Tensor] = {}
     for key, value in batch.items():
         if key in FIELD_KEYS:
             shape = (value.shape[0], value.shape[1], *grid_shape)
-            out[key] = ShardTensor.from_local(value, domain_mesh, [Shard(2)], sharding_shapes="chunk", global_shape=shape)
+            local = value.to(device, non_blocking=True) if device is not None else value
+            out[key] = ShardTensor.from_local(local, domain_mesh, [Shard(2)], sharding_shapes="chunk", global_shape=shape)
         else:
             out[key] = value
     return out

@@ -20,7 +20,7 @@ def masked_mean(error: torch.Tensor, mask: torch.Tensor | None = None, channel_w
     """Mean of ``error`` (N, C, H, W) over valid points (``mask`` True), each channel scaled by its
     weight; a true global mean on ShardTensors (global sums, global counts)."""
     if channel_weights is not None:
-        weights = torch.as_tensor(list(channel_weights), dtype=error.dtype)
+        weights = torch.as_tensor(list(channel_weights), dtype=error.dtype, device=error.device)
         if weights.shape != (error.shape[1],):
             raise ValueError(f"training.channel_weights has {weights.numel()} entries for {error.shape[1]} state channels")
         error = error * weights.view(1, -1, 1, 1)

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..data import collate
 from ..diffusion import derive_seed
-from ..distributed import collectives
+from ..distributed import DistributedManager, collectives
 from ..nn import ParallelModel, domain_mesh, parallelize
 from .checkpoint import Checkpointer, export_state_dict
 from .data_setup import DataBundle, shard_batch
@@ -86,6 +86,7 @@ class Trainer:
         self.data_group = mesh.get_group("data")
         self.data_rank = mesh.get_local_rank("data")
         self.data_size = mesh.size(mesh.mesh_dim_names.index("data"))
+        self.device = DistributedManager().device
 
     # ----- pieces ------------------------------------------------------------------------------
     def _sample_ids(self, position: dict) -> torch.Tensor:
@@ -104,7 +105,7 @@ class Trainer:
         for i in range(min(self.cfg.training.validation_batches, len(dataset) // micro)):
             first = i * micro + self.data_rank * b
             ids = torch.arange(first, first + b)
-            yield ids, shard_batch(collate([dataset[int(j)] for j in ids]), self.domain, self.data.grid_shape)
+            yield ids, shard_batch(collate([dataset[int(j)] for j in ids]), self.domain, self.data.grid_shape, self.device)
 
     # ----- validation ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -145,7 +146,7 @@ class Trainer:
     def fit(self) -> StageResult:
         cfg, t = self.cfg, self.cfg.training
         torch.manual_seed(t.seed)  # identical initial weights on every rank (synced anyway)
-        parallel = parallelize(self.task.build_model(), self.mesh, cfg.parallel.data_parallel, t.precision)
+        parallel = parallelize(self.task.build_model().to(self.device), self.mesh, cfg.parallel.data_parallel, t.precision)
         optimizer = build_optimizer(cfg.optim, parallel.model.parameters())
         scheduler = build_scheduler(cfg.schedule, optimizer, t.max_steps)
         checkpoints = Checkpointer(self.stage_dir / "checkpoints", keep=t.keep_checkpoints)
@@ -167,10 +168,10 @@ class Trainer:
             for step in range(start, t.max_steps):
                 began = time.perf_counter()
                 optimizer.zero_grad(set_to_none=True)
-                total = torch.zeros(())
+                total = torch.zeros((), device=self.device)
                 for micro in range(t.grad_accumulation):
                     ids = self._sample_ids(loader.state_dict())
-                    batch = shard_batch(next(batches), self.domain, self.data.grid_shape)
+                    batch = shard_batch(next(batches), self.domain, self.data.grid_shape, self.device)
                     loss = self.task.loss(parallel, batch, seed=derive_seed(t.seed, step, micro), sample_ids=ids)
                     (loss / t.grad_accumulation).backward()
                     total += loss.detach().float() / t.grad_accumulation
