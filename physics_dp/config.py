@@ -223,8 +223,23 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
         return compose("train", overrides=list(overrides))
 
 
+def _unknown_keys(cfg: DictConfig, schema: DictConfig, prefix: str = "") -> list[str]:
+    """Keys of ``cfg`` the schema does not have (``+key=...`` overrides can add them past the schema)."""
+    unknown = []
+    for key in cfg.keys():
+        path = f"{prefix}{key}"
+        if key not in schema:
+            unknown.append(path)
+        elif isinstance(schema[key], DictConfig) and isinstance(cfg[key], DictConfig):
+            unknown += _unknown_keys(cfg[key], schema[key], path + ".")
+    return unknown
+
+
 def validate(cfg: DictConfig | Any) -> None:
-    """Value checks the type system cannot express; raise ValueError naming the key and choices."""
+    """Checks the type system cannot express; raise ValueError naming the key and the choices."""
+    unknown = _unknown_keys(cfg, OmegaConf.structured(TrainConfig))
+    if unknown:
+        raise ValueError(f"unknown config key(s) {unknown}: check the spelling (see physics_dp/config.py for the schema)")
     for key, choices in _CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in choices:

@@ -63,7 +63,7 @@ class RingMeta:
 def _additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     if mask is None or mask.dtype != torch.bool:
         return mask
-    return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, float("-inf"))
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
 def _block_bias(meta: RingMeta, rows: int, owner: int, cols: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:

@@ -61,7 +61,8 @@ def offsets(sizes: Sequence[int]) -> list[int]:
 
 def owner_ranks(index: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
     """The rank holding each global row in ``index`` (empty ranks hold nothing)."""
-    return torch.searchsorted(torch.tensor([o + s for o, s in zip(offsets(sizes), sizes)]), index, right=True)
+    ends = torch.tensor([o + s for o, s in zip(offsets(sizes), sizes)], device=index.device)
+    return torch.searchsorted(ends, index, right=True)
 
 
 def axis_sharding(spec: ShardTensorSpec, dim: int) -> int | None:
@@ -449,17 +450,18 @@ def _flat_positions(
     local: torch.Tensor, index: torch.Tensor, owners: torch.Tensor, dim: int, sizes: Sequence[int]
 ) -> torch.Tensor:
     """For each index element, its flat position in the owner's slab (slabs differ only along ``dim``)."""
-    rows = index - torch.tensor(offsets(sizes))[owners]
-    outer = torch.zeros((), dtype=torch.long)
-    tail = torch.zeros((), dtype=torch.long)
+    device = index.device
+    rows = index - torch.tensor(offsets(sizes), device=device)[owners]
+    outer = torch.zeros((), dtype=torch.long, device=device)
+    tail = torch.zeros((), dtype=torch.long, device=device)
     for d, n in enumerate(index.shape):
-        coordinate = torch.arange(n).view([-1 if e == d else 1 for e in range(index.ndim)])
+        coordinate = torch.arange(n, device=device).view([-1 if e == d else 1 for e in range(index.ndim)])
         if d < dim:
             outer = outer * local.shape[d] + coordinate
         elif d > dim:
             tail = tail * local.shape[d] + coordinate
     inner = int(torch.Size(local.shape[dim + 1 :]).numel())
-    return ((outer * torch.tensor(list(sizes))[owners] + rows) * inner + tail).reshape(-1)
+    return ((outer * torch.tensor(list(sizes), device=device)[owners] + rows) * inner + tail).reshape(-1)
 
 
 def _element_requests(

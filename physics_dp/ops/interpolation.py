@@ -160,12 +160,12 @@ def _split(taps: Taps, dim: int, axis: int | None, sizes: tuple[int, ...], me: i
 
 def resample(window: torch.Tensor, dim: int, taps: Taps, first: int, count: int, origin: int) -> torch.Tensor:
     """Outputs ``first .. first+count`` along ``dim`` from ``window``, whose row 0 is global row ``origin``."""
-    rows = taps.rows[first:first + count] - origin
+    rows = (taps.rows[first:first + count] - origin).to(window.device)  # taps are planned on the CPU
     if taps.weights is None:
         return window.index_select(dim, rows[:, 0])
     shape = [1] * window.ndim
     shape[dim] = count
-    weights = taps.weights[first:first + count].to(window.dtype)
+    weights = taps.weights[first:first + count].to(device=window.device, dtype=window.dtype)
     out = window.index_select(dim, rows[:, 0]) * weights[:, 0].view(shape)
     for tap in range(1, rows.shape[1]):
         out = out + window.index_select(dim, rows[:, tap]) * weights[:, tap].view(shape)

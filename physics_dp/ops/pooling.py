@@ -313,7 +313,7 @@ def _pool(func: Any, bound: dict[str, Any]) -> Any:
     y = _drop_filler(out[0] if isinstance(out, tuple) else out, splits)
     if kind == "avg":
         override = bound.get("divisor_override")
-        y = y / (override or _divisor(splits, stencils, bound["count_include_pad"], y.ndim).to(y.dtype))
+        y = y / (override or _divisor(splits, stencils, bound["count_include_pad"], y.ndim).to(device=y.device, dtype=y.dtype))
     axis_sizes = output_axis_sizes(x, splits)
     result = wrap_local(y, x, out_shape, axis_sizes)
     if not with_indices:

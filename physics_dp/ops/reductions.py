@@ -267,7 +267,7 @@ def _local_candidate(plan: _Plan, dim: int | None, largest: bool) -> tuple[torch
     coordinates = torch.unravel_index(position, local.shape)
     strides = contiguous_strides(plan.tensor.shape)
     index = sum((c + o) * s for c, o, s in zip(coordinates, offsets, strides))
-    return flat[position].reshape(shape), torch.as_tensor(index).reshape(shape)
+    return flat[position].reshape(shape), torch.as_tensor(index, device=local.device).reshape(shape)
 
 
 def _select(values: torch.Tensor, indices: torch.Tensor, largest: bool) -> tuple[torch.Tensor, torch.Tensor]:

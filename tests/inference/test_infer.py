@@ -19,7 +19,7 @@ import torch
 import xarray as xr
 
 from physics_dp.config import compose_config
-from physics_dp.testing import RankFailure, run_on_ranks
+from physics_dp.testing import run_on_ranks
 
 SMALL = ["data.synthetic.n_times=16", "data.synthetic.height=32", "data.synthetic.width=48", "data.train_times=[0,12]", "data.valid_times=[12,16]"]
 FORECAST = ["steps=2", "members=2", "sampling.num_steps=2", "seed=3"]

@@ -3,7 +3,6 @@ user netCDF files train on grids that do not divide, and bad input fails on ever
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
