@@ -8,34 +8,22 @@ never how long it took.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import math
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 
+from tests.benchmarks._scripts import load_benchmark
 from physics_dp.testing import get_mesh, run_on_ranks
 
-_REPO = Path(__file__).resolve().parents[2]
-_BENCH_PATH = _REPO / "benchmarks" / "dispatch_overhead.py"
-_MODULE_NAME = "physics_dp_benchmarks_dispatch_overhead"
 
 
 def _bench() -> ModuleType:
-    """Load the benchmark script by path (``benchmarks/`` is a folder of scripts, not a package)."""
-    module = sys.modules.get(_MODULE_NAME)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(_MODULE_NAME, _BENCH_PATH)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[_MODULE_NAME] = module
-        spec.loader.exec_module(module)
-    return module
+    return load_benchmark("dispatch_overhead")
 
 
 def _measure_tiny() -> dict[str, Any]:

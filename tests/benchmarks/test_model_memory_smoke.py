@@ -7,7 +7,6 @@ whose model fell back to plain tensors, would give confident wrong numbers.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -16,23 +15,13 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+from tests.benchmarks._scripts import BENCHMARKS, load_benchmark
 
-_REPO = Path(__file__).resolve().parents[2]
-_BENCH_PATH = _REPO / "benchmarks" / "model_memory.py"
-_MODULE_NAME = "physics_dp_benchmarks_model_memory"
 MIB = 2**20
 
 
 def _bench() -> ModuleType:
-    """Load the benchmark script by path (``benchmarks/`` is a folder of scripts, not a package)."""
-    module = sys.modules.get(_MODULE_NAME)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(_MODULE_NAME, _BENCH_PATH)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[_MODULE_NAME] = module
-        spec.loader.exec_module(module)
-    return module
+    return load_benchmark("model_memory")
 
 
 def test_events_fold_counts_only_blocks_the_window_allocated() -> None:
@@ -78,7 +67,7 @@ def test_profile_step_memory_sees_the_steps_own_allocations() -> None:
 
 def test_script_prints_table_and_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "memory.json"
-    command = [sys.executable, str(_BENCH_PATH), "--grid", "16", "24", "--ranks", "1", "2", "--steps", "1", "--json", str(out)]
+    command = [sys.executable, str(BENCHMARKS / "model_memory.py"), "--grid", "16", "24", "--ranks", "1", "2", "--steps", "1", "--json", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     table = [line for line in done.stdout.splitlines() if line.startswith("|")]
