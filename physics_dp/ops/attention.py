@@ -96,29 +96,39 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
 
 
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
-def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether torch's fused CPU attention kernel (which returns the log-sum-exp) fits this block."""
-    return (
-        q.device.type == "cpu"
-        and q.dtype in _FUSED_DTYPES
-        and q.shape[-1] == k.shape[-1] == v.shape[-1]
-        and q.shape[-2] > 0
-        and k.shape[-2] > 0
-    )
+# bf16/fp16 gradients of the CUDA memory-efficient kernel came out wrong when called with a merged
+# (ring) output on torch 2.11 / H100; those dtypes use the explicit path until that is understood.
+_CUDA_FUSED_DTYPES = (torch.float32,)
+
+
+def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None) -> str | None:
+    """Which of torch's fused kernels that report the log-sum-exp fits this block, if any: the CPU
+    flash kernel, or on CUDA the memory-efficient kernel (unmasked blocks only, so its bias
+    alignment rules never matter). Neither materializes the score matrix."""
+    if not (q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[-2] > 0 and k.shape[-2] > 0):
+        return None
+    if q.device.type == "cpu" and q.dtype in _FUSED_DTYPES:
+        return "cpu"
+    if q.device.type == "cuda" and q.dtype in _CUDA_FUSED_DTYPES and bias is None:
+        return "cuda"
+    return None
 
 
 def _block_forward(q, k, v, bias, scale, differentiable_lse: bool = False):
     """Attention of ``q`` over one key block: the block's output and per-row log-sum-exp.
 
-    The fused CPU kernel never materializes the score matrix, but reports lse 0 (not -inf)
-    for fully masked rows, fixed here; its lse has no gradient, so callers that differentiate
-    through the lse get the explicit path.
+    The fused CPU kernel reports lse 0 (not -inf) for fully masked rows, fixed here; fused lse
+    has no gradient, so callers that differentiate through the lse get the explicit path.
     """
-    if not differentiable_lse and _fused(q, k, v):
+    kind = None if differentiable_lse else _fused(q, k, v, bias)
+    if kind == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
         if bias is not None:
             lse = lse.masked_fill(torch.isneginf(bias).all(-1), float("-inf"))
         return out, lse
+    if kind == "cuda":
+        out, lse, _, _ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, False, scale=scale)
+        return out, lse[..., : q.shape[-2]]  # the kernel pads the lse rows
     scores = _scores(q, k, bias, scale)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - _finite(lse)[..., None])
@@ -142,12 +152,23 @@ def _rotate(payload: torch.Tensor, meta: RingMeta, incoming_owner: int) -> colle
 def _block_backward(grad_out, q, k, v, out, safe_lse, delta, bias, scale):
     """Gradients of one (queries x key block) pair given the GLOBAL output and log-sum-exp:
     with those, each block's softmax probabilities and correction term are exact."""
-    if _fused(q, k, v):
+    kind = _fused(q, k, v, bias)
+    if kind == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k, v, out, safe_lse[..., 0], 0.0, False, attn_mask=bias, scale=scale
         )
-    probs = torch.exp(_scores(q, k, bias, scale) - safe_lse)
-    grad_scores = probs * (torch.matmul(grad_out, v.transpose(-1, -2)) - delta)
+    if kind == "cuda":
+        lse = safe_lse[..., 0].float()
+        lse = torch.nn.functional.pad(lse, (0, -lse.shape[-1] % 32))  # the kernel's lse rows are padded to 32
+        empty = torch.zeros((), dtype=torch.int64, device=q.device)
+        grad_out, out = grad_out.contiguous(), out.contiguous()
+        grads = aten._scaled_dot_product_efficient_attention_backward(
+            grad_out, q, k, v, None, out, lse.contiguous(), empty, empty, 0.0, [True, True, True, False], False, scale=scale
+        )
+        return grads[:3]
+    # The lse is kept in fp32; probabilities go back to the inputs' dtype for the matmuls.
+    probs = torch.exp(_scores(q, k, bias, scale) - safe_lse).to(q.dtype)
+    grad_scores = (probs * (torch.matmul(grad_out, v.transpose(-1, -2)) - delta)).to(q.dtype)
     return (
         torch.matmul(grad_scores, k) * scale,
         torch.matmul(grad_scores.transpose(-1, -2), q) * scale,
