@@ -43,6 +43,19 @@ def test_torchrun_stormcast_two_stages(tmp_path):
         assert list((run / stage / "figures").glob("prediction_*.png"))
     assert list((run / "wandb").glob("offline-run-*"))  # wandb offline by default, under the run directory
     assert "parallel" in (run / "config.yaml").read_text()
+    # Inference from the run: a domain-parallel rollout with two members, as CF netCDF.
+    proc = _run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "physics_dp.infer",
+         f"run_dir={run}", "steps=2", "members=2", f"out={tmp_path}/forecast"],
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    import xarray
+
+    with xarray.open_dataset(tmp_path / "forecast" / "forecast.nc") as forecast:
+        assert dict(forecast.sizes) == {"time": 2, "ensemble": 2, "y": 16, "x": 24}
+        assert forecast["t2m"].attrs["units"] and forecast["time"].dtype.kind == "M"
+    assert (tmp_path / "forecast" / "scores.json").is_file()
 
 
 def test_python_m_diffusion_with_dit(tmp_path):
