@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..shard_tensor import ShardTensor
+from ..nn.losses import masked_mean
 from .noise import randn_like_global, sample_sigma_lognormal
 
 __all__ = ["EDMLoss"]
@@ -24,11 +24,6 @@ Denoiser = Callable[..., torch.Tensor]
 def _per_sample(values: torch.Tensor, ndim: int) -> torch.Tensor:
     """(N,) -> (N, 1, ..., 1) to broadcast over a field of ``ndim`` dims."""
     return values.view(-1, *([1] * (ndim - 1)))
-
-
-def _plain_scalar(value: torch.Tensor) -> torch.Tensor:
-    """A reduced (replicated) 0-d ShardTensor as a plain tensor, so callers see one type."""
-    return value.full_tensor() if isinstance(value, ShardTensor) else value
 
 
 class EDMLoss:
@@ -77,21 +72,9 @@ class EDMLoss:
         denoised = model(target + sigma_b * noise, sigma, condition)
         weight = _per_sample((sigma**2 + self.sigma_data**2) / (sigma * self.sigma_data) ** 2, target.ndim)
         error = weight * (denoised - target) ** 2
-        if channel_weights is not None:
-            channels = target.shape[1]
-            if channel_weights.shape != (channels,):
-                raise ValueError(
-                    f"channel_weights must have shape ({channels},) (one weight per channel), "
-                    f"got {tuple(channel_weights.shape)}"
-                )
-            error = error * channel_weights.to(device=error.device, dtype=error.dtype).view(1, channels, *([1] * (target.ndim - 2)))
-        if mask is None:
-            return _plain_scalar(error.sum()) / target.numel()
-        if mask.dtype != torch.bool or mask.shape != target.shape:
+        if mask is not None and (mask.dtype != torch.bool or mask.shape != target.shape):
             raise ValueError(
                 f"mask must be a bool tensor shaped like target {tuple(target.shape)}, "
                 f"got {mask.dtype} of shape {tuple(mask.shape)}"
             )
-        total = _plain_scalar(torch.where(mask, error, torch.zeros_like(error)).sum())
-        count = _plain_scalar(mask.sum())
-        return total / count.clamp_min(1).to(total.dtype)
+        return masked_mean(error, mask, channel_weights)

@@ -30,8 +30,15 @@ def default_cache_dir() -> str:
 def data_spec(cfg: DataConfig) -> DataSpec:
     """The netCDF files to read: the user's, or the built-in synthetic set (written once, shared
     by every process through a lock file)."""
-    train = tuple(cfg.train_times) if cfg.train_times is not None else None
-    valid = tuple(cfg.valid_times) if cfg.valid_times is not None else None
+    files = dict(
+        state_files=cfg.state_files,
+        state_variables=list(cfg.state_variables),
+        background_files=cfg.background_files,
+        background_variables=list(cfg.background_variables),
+        invariant_file=cfg.invariant_file,
+        invariant_variables=list(cfg.invariant_variables),
+        level=cfg.level,
+    )
     if cfg.source == "synthetic":
         from ..data.synthetic import write_synthetic_dataset
 
@@ -40,29 +47,19 @@ def data_spec(cfg: DataConfig) -> DataSpec:
             default_cache_dir(), f"synthetic-t{syn.n_times}-{syn.height}x{syn.width}-seed{syn.seed}"
         )
         paths = write_synthetic_dataset(root, n_times=syn.n_times, height=syn.height, width=syn.width, seed=syn.seed)
-        return DataSpec(
+        files = dict(
             state_files=paths.state_glob,
             state_variables=list(paths.state_variables),
             background_files=paths.background_glob,
             background_variables=list(paths.background_variables),
             invariant_file=paths.invariant_file,
             invariant_variables=list(paths.invariant_variables),
-            lead_time=cfg.lead_time,
-            train_times=train,
-            valid_times=valid,
-            stats_file=cfg.stats_file,
         )
     return DataSpec(
-        state_files=cfg.state_files,
-        state_variables=list(cfg.state_variables),
-        background_files=cfg.background_files,
-        background_variables=list(cfg.background_variables),
-        invariant_file=cfg.invariant_file,
-        invariant_variables=list(cfg.invariant_variables),
-        level=cfg.level,
+        **files,
         lead_time=cfg.lead_time,
-        train_times=train,
-        valid_times=valid,
+        train_times=tuple(cfg.train_times) if cfg.train_times is not None else None,
+        valid_times=tuple(cfg.valid_times) if cfg.valid_times is not None else None,
         stats_file=cfg.stats_file,
     )
 

@@ -20,6 +20,7 @@ from ..data import collate
 from ..diffusion import derive_seed
 from ..distributed import DistributedManager, collectives
 from ..nn import ParallelModel, domain_mesh, parallelize
+from ..nn.losses import plain_scalar
 from .checkpoint import Checkpointer, export_state_dict
 from .data_setup import DataBundle, shard_batch
 from .logger import RunLogger
@@ -54,10 +55,6 @@ def replica_sample_ids(position: dict, steps_per_epoch: int, batch_size: int, da
     micro = batch_size * data_size
     first = (position["epoch"] * steps_per_epoch + position["step"]) * micro + data_rank * batch_size
     return torch.arange(first, first + batch_size)
-
-
-def _plain(value: torch.Tensor) -> torch.Tensor:
-    return value.full_tensor() if hasattr(value, "full_tensor") else value
 
 
 def _memory_mib() -> float:
@@ -113,9 +110,9 @@ class Trainer:
         seed = derive_seed(self.cfg.training.seed, 1 << 40)
         losses, errors, first = [], [], None
         for ids, batch in self._validation_batches():
-            losses.append(_plain(self.task.loss(parallel, batch, seed=seed, sample_ids=ids)).float())
+            losses.append(plain_scalar(self.task.loss(parallel, batch, seed=seed, sample_ids=ids)).float())
             prediction = self.task.predict(parallel, batch, seed=seed, sample_ids=ids)
-            errors.append(_plain(rmse(prediction.float(), batch["target"], batch.get("mask"))))
+            errors.append(plain_scalar(rmse(prediction.float(), batch["target"], batch.get("mask"))))
             if first is None:
                 first = (prediction, batch["target"])
         if not losses:
@@ -130,7 +127,7 @@ class Trainer:
 
     def _figures(self, prediction: torch.Tensor, truth: torch.Tensor, names: list[str], step: int) -> None:
         # Collective: every domain rank joins the gather of the first sample; rank 0 draws it.
-        prediction, truth = _plain(prediction[:1].float())[0], _plain(truth[:1].float())[0]
+        prediction, truth = plain_scalar(prediction[:1].float())[0], plain_scalar(truth[:1].float())[0]
         if not self.logger.active:
             return
         figures = self.stage_dir / "figures"
@@ -194,7 +191,7 @@ class Trainer:
                         {
                             f"{self.task.name}/loss": loss_value,
                             f"{self.task.name}/lr": scheduler.get_last_lr()[0],
-                            f"{self.task.name}/grad_norm": float(_plain(norm)),
+                            f"{self.task.name}/grad_norm": float(plain_scalar(norm)),
                             f"{self.task.name}/samples_per_s": step_samples / seconds,
                             f"{self.task.name}/step_s": seconds,
                             f"{self.task.name}/max_memory_mib": _memory_mib(),

@@ -100,7 +100,7 @@ def test_masked_channel_weighted_loss(tmp_path):
         assert all(math.isfinite(v) for v in weighted[stage]["losses"])
         assert weighted[stage]["losses"][0] < plain[stage]["losses"][0]  # a channel's error no longer counts
     wrong = run_on_ranks(1, _error, base[:-1] + [f"run.dir={tmp_path}/c", "training.channel_weights=[1.0,2.0]"], timeout=300.0)
-    assert "channel_weights has 2 entries for 3 state channels" in wrong[0]
+    assert "channel_weights must have shape (3,)" in wrong[0]
 
 
 def _noise_pattern() -> dict:
