@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from .data import WeatherDataset
 from .data.cf_writer import ForecastWriter
@@ -104,6 +105,17 @@ def infer(options: InferConfig, overrides: Sequence[str] = ()) -> InferenceResul
         dataset.close()
 
 
+def _agree_on_writer(failure: Exception | None, forecast: Path) -> None:
+    """Raise on every rank when rank 0 could not open the output file."""
+    message = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(message, src=0)
+    if failure is not None:
+        raise failure
+    if message[0] is not None:
+        raise RuntimeError(f"rank 0 could not create {forecast} ({message[0]}); choose a writable out=DIR")
+
+
 def _forecast(
     options: InferConfig,
     rollout: Rollout,
@@ -120,14 +132,18 @@ def _forecast(
     figures: list[Path] = []
     forecast = out_dir / "forecast.nc"
     ensemble_size = options.members if options.members > 1 else None
-    writer = None
+    writer, failure = None, None
     if writes:
-        writer = ForecastWriter(
-            forecast, names, reference_time=sources.time(initial), units=sources.units, long_names=sources.long_names,
-            standard_names=sources.standard_names, ensemble_size=ensemble_size, title="physics_dp forecast",
-            attrs={"source_run": str(Path(options.run_dir).absolute()), "members": options.members, "seed": options.seed},
-            **sources.grid,
-        )
+        try:
+            writer = ForecastWriter(
+                forecast, names, reference_time=sources.time(initial), units=sources.units, long_names=sources.long_names,
+                standard_names=sources.standard_names, ensemble_size=ensemble_size, title="physics_dp forecast",
+                attrs={"source_run": str(Path(options.run_dir).absolute()), "members": options.members, "seed": options.seed},
+                **sources.grid,
+            )
+        except Exception as error:  # the other ranks must hear of it, not wait in the rollout's collectives
+            failure = error
+    _agree_on_writer(failure, forecast)
     try:
         for step in rollout.run(options.start_time, options.steps):
             ensemble = _physical(step.ensemble, mean, std)

@@ -194,6 +194,11 @@ def test_bad_requests_name_the_problem(stormcast_run, tmp_path):
     uneven = run_on_ranks(2, _error, [f"run_dir={stormcast_run}", "members=3", "domain_size=1", f"out={tmp_path}"])[0]
     assert "members=3 does not divide over the 2 data-parallel ranks" in uneven
     assert not (tmp_path / "forecast.nc").exists() and not list(tmp_path.glob("*.partial"))
+    # Rank 0 cannot open its output: every rank raises instead of waiting in the rollout.
+    blocked = tmp_path / "blocked"
+    (blocked / "forecast.nc.partial").mkdir(parents=True)
+    for message in run_on_ranks(2, _error, [f"run_dir={stormcast_run}", f"out={blocked}", "steps=1"], timeout=120.0):
+        assert "forecast.nc" in message, message
 
 
 def test_torchrun_cli(stormcast_run, forecasts, tmp_path):
