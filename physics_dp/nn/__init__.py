@@ -1,6 +1,6 @@
 """Module-level parallelism: replicas synced over the mesh, gradients reduced once, FSDP2/DDP on top."""
 
-from .losses import masked_mean, plain_scalar
+from .losses import masked_mean, replicated_value
 from .fsdp_adapter import FSDPOutputTensorAdapter, distribute_over_domain_for_fsdp, wrap_for_fsdp
 from .module_sync import all_reduce_gradients, distribute_module, sync_module_over_mesh
 from .parallelize import ParallelModel, data_size, domain_mesh, parallelize
@@ -15,7 +15,7 @@ __all__ = [
     "domain_mesh",
     "masked_mean",
     "parallelize",
-    "plain_scalar",
+    "replicated_value",
     "sync_module_over_mesh",
     "wrap_for_fsdp",
 ]

@@ -10,11 +10,12 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["masked_mean", "plain_scalar"]
+__all__ = ["masked_mean", "replicated_value"]
 
 
-def plain_scalar(value: torch.Tensor) -> torch.Tensor:
-    """A reduced (replicated) 0-d ShardTensor as a plain tensor, so callers see one type."""
+def replicated_value(value: torch.Tensor) -> torch.Tensor:
+    """The full value of a reduced ShardTensor or DTensor as a plain tensor (plain tensors pass
+    through), so callers see one type."""
     return value.full_tensor() if hasattr(value, "full_tensor") else value
 
 
@@ -31,7 +32,7 @@ def masked_mean(
             )
         error = error * weights.view(1, -1, *([1] * (error.ndim - 2)))
     if mask is None:
-        return plain_scalar(error.sum()) / error.numel()
-    total = plain_scalar(torch.where(mask, error, torch.zeros_like(error)).sum())
-    count = plain_scalar(mask.sum())
+        return replicated_value(error.sum()) / error.numel()
+    total = replicated_value(torch.where(mask, error, torch.zeros_like(error)).sum())
+    count = replicated_value(mask.sum())
     return total / count.clamp_min(1).to(total.dtype)

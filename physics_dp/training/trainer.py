@@ -20,7 +20,7 @@ from ..data import collate
 from ..diffusion import derive_seed
 from ..distributed import DistributedManager, collectives
 from ..nn import ParallelModel, domain_mesh, parallelize
-from ..nn.losses import plain_scalar
+from ..nn.losses import replicated_value
 from .checkpoint import Checkpointer, export_state_dict
 from .data_setup import DataBundle, shard_batch
 from .logger import RunLogger
@@ -110,9 +110,9 @@ class Trainer:
         seed = derive_seed(self.cfg.training.seed, 1 << 40)
         losses, errors, first = [], [], None
         for ids, batch in self._validation_batches():
-            losses.append(plain_scalar(self.task.loss(parallel, batch, seed=seed, sample_ids=ids)).float())
+            losses.append(replicated_value(self.task.loss(parallel, batch, seed=seed, sample_ids=ids)).float())
             prediction = self.task.predict(parallel, batch, seed=seed, sample_ids=ids)
-            errors.append(plain_scalar(rmse(prediction.float(), batch["target"], batch.get("mask"))))
+            errors.append(replicated_value(rmse(prediction.float(), batch["target"], batch.get("mask"))))
             if first is None:
                 first = (prediction, batch["target"])
         if not losses:
@@ -127,7 +127,8 @@ class Trainer:
 
     def _figures(self, prediction: torch.Tensor, truth: torch.Tensor, names: list[str], step: int) -> None:
         # Collective: every domain rank joins the gather of the first sample; rank 0 draws it.
-        prediction, truth = plain_scalar(prediction[:1].float())[0], plain_scalar(truth[:1].float())[0]
+        prediction = prediction[:1].float().full_tensor()[0].cpu()
+        truth = truth[:1].float().full_tensor()[0].cpu()
         if not self.logger.active:
             return
         figures = self.stage_dir / "figures"
@@ -191,7 +192,7 @@ class Trainer:
                         {
                             f"{self.task.name}/loss": loss_value,
                             f"{self.task.name}/lr": scheduler.get_last_lr()[0],
-                            f"{self.task.name}/grad_norm": float(plain_scalar(norm)),
+                            f"{self.task.name}/grad_norm": float(replicated_value(norm)),
                             f"{self.task.name}/samples_per_s": step_samples / seconds,
                             f"{self.task.name}/step_s": seconds,
                             f"{self.task.name}/max_memory_mib": _memory_mib(),
