@@ -50,7 +50,7 @@ class EDMLoss:
         condition: torch.Tensor | None = None,
         seed: int,
         sample_ids: Sequence[int] | torch.Tensor,
-        channel_weights: torch.Tensor | None = None,
+        channel_weights: Sequence[float] | torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The scalar loss (plain 0-d tensor) for a batch ``target`` (N, C, ...), plain or ShardTensor.

@@ -42,10 +42,9 @@ class DiffusionTask(Task):
         return stack_condition(batch, "background", "invariants") if self.conditional else None
 
     def loss(self, model, batch, *, seed, sample_ids):
-        weights = None if self.channel_weights is None else torch.tensor(list(self.channel_weights))
         return self.edm_loss(
             model, batch["target"], condition=self._condition(batch), seed=seed, sample_ids=sample_ids,
-            channel_weights=weights, mask=batch.get("mask"),
+            channel_weights=self.channel_weights, mask=batch.get("mask"),
         )
 
     @torch.no_grad()

@@ -107,7 +107,7 @@ class ResidualDiffusionTask(Task):
             condition=condition,
             seed=seed,
             sample_ids=sample_ids,
-            channel_weights=None if self.channel_weights is None else torch.tensor(list(self.channel_weights)),
+            channel_weights=self.channel_weights,
             mask=batch.get("mask"),
         )
 

@@ -14,17 +14,8 @@ from physics_dp.models import EDMPrecond, SongUNet, SongUNetConfig
 from physics_dp.shard_tensor import Shard, distribute_tensor
 from physics_dp.testing import get_mesh, run_on_ranks
 
-TINY = dict(
-    img_resolution=16,
-    in_channels=2,
-    out_channels=2,
-    cond_channels=1,
-    model_channels=8,
-    channel_mult=(1, 2),
-    num_blocks=1,
-    attn_resolutions=(8,),
-    num_heads=2,
-)
+from ..models.test_song_unet import TINY
+
 
 
 class _Affine(nn.Module):
