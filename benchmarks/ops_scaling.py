@@ -1,11 +1,15 @@
-"""Strong scaling of the core sharded ops: one process vs. N ranks at the same global size.
+"""Strong scaling of every sharded op family: N ranks against the floor and against one process.
 
-For conv2d, group_norm, attention (ring) and fft2, forward + backward, this prints in one run:
-the median step time of plain torch in one process with 1 thread and with N threads, of the
-ShardTensor version on N ranks x 1 thread, the speedup of N ranks over one process given the
-same N threads, and the bytes each rank sent per step (from physics_dp's counted collectives).
+For each op (forward + backward at one global size) it prints, in one run:
 
-    python benchmarks/ops_scaling.py [--ranks 2] [--repeats 10] [--json results.json]
+- ``sharded``: the ShardTensor op on N ranks x 1 thread (slowest rank, barrier-timed median);
+- ``slab``: the plain torch op on one rank's slab widened by the halo rows its stencil reads, in
+  the same rank processes, interleaved with the sharded runs (the floor: the work a rank must do);
+- ``1x1`` / ``1xN``: the plain op on the whole grid in one process with 1 and with N threads;
+- the ratio sharded / slab (overhead), the speedups of N ranks over one process, and the bytes and
+  collectives each rank issued per step (physics_dp's counted collectives).
+
+    python benchmarks/ops_scaling.py [--ranks 2] [--repeats 7] [--ops conv,group_norm] [--json out.json]
 """
 
 from __future__ import annotations
@@ -13,141 +17,227 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-CASES: dict[str, dict] = {
-    "conv2d 3x3 (1,32,256,256)": {"shape": (1, 32, 256, 256), "dim": 2},
-    "group_norm 8 groups (1,64,256,256)": {"shape": (1, 64, 256, 256), "dim": 2},
-    "attention (1,4,4096,32) ring": {"shape": (1, 4, 4096, 32), "dim": 2},
-    "fft2 (4,16,256,256)": {"shape": (4, 16, 256, 256), "dim": 2},
-}
+
+@dataclass(frozen=True)
+class Case:
+    """One op at one global size; ``halo`` is the rows (before, after) the op reads beyond a slab."""
+
+    name: str
+    shape: tuple[int, ...]
+    dim: int
+    halo: tuple[int, int]
+    kind: str  # "compute" (target 1.15x the slab) or "memory" (target 1.3x)
+    build: Callable[[torch.Generator, tuple[int, ...]], tuple[Callable, list[torch.Tensor]]]
 
 
-def _build(name: str, seed: int = 0) -> tuple[Callable, list[torch.Tensor]]:
-    """The op as a function of its inputs, and global inputs (same on every rank)."""
-    gen = torch.Generator().manual_seed(seed)
-    shape = CASES[name]["shape"]
-    x = torch.randn(shape, generator=gen)
-    if name.startswith("conv2d"):
-        weight = torch.randn(shape[1], shape[1], 3, 3, generator=gen) * 0.05
-        return (lambda t: F.conv2d(t, weight, padding=1)), [x]
-    if name.startswith("group_norm"):
-        return (lambda t: F.group_norm(t, 8)), [x]
-    if name.startswith("attention"):
-        return (lambda t: F.scaled_dot_product_attention(t, t, t)), [x]
-    return (lambda t: torch.fft.fft2(t).abs()), [x]
+def _conv(weight_grad: bool) -> Callable:
+    def build(gen: torch.Generator, shape: tuple[int, ...]):
+        weight = (torch.randn(shape[1], shape[1], 3, 3, generator=gen) * 0.05).requires_grad_(weight_grad)
+        return (lambda t: F.conv2d(t, weight, padding=1)), [weight]
+
+    return build
 
 
-def _time(step: Callable[[], None], repeats: int) -> float:
-    step()  # warm-up
+def _conv_transpose(gen: torch.Generator, shape: tuple[int, ...]):
+    weight = (torch.randn(shape[1], shape[1], 4, 4, generator=gen) * 0.05).requires_grad_(True)
+    return (lambda t: F.conv_transpose2d(t, weight, stride=2, padding=1)), [weight]
+
+
+def _group_norm(gen: torch.Generator, shape: tuple[int, ...]):
+    weight, bias = torch.ones(shape[1], requires_grad=True), torch.zeros(shape[1], requires_grad=True)
+    return (lambda t: F.group_norm(t, 8, weight, bias)), [weight, bias]
+
+
+def _batch_norm(gen: torch.Generator, shape: tuple[int, ...]):
+    weight, bias = torch.ones(shape[1], requires_grad=True), torch.zeros(shape[1], requires_grad=True)
+    return (lambda t: F.batch_norm(t, None, None, weight, bias, training=True)), [weight, bias]
+
+
+def _layer_norm(gen: torch.Generator, shape: tuple[int, ...]):
+    return (lambda t: F.layer_norm(t, t.shape[1:])), []
+
+
+def _plain(fn: Callable) -> Callable:
+    return lambda gen, shape: (fn, [])
+
+
+def _attention(t: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(t, t, t)
+
+
+CASES = [
+    Case("conv2d 3x3, no weight grad", (1, 32, 256, 256), 2, (1, 1), "compute", _conv(False)),
+    Case("conv2d 3x3, weight grad", (1, 32, 256, 256), 2, (1, 1), "compute", _conv(True)),
+    Case("conv_transpose2d 4x4 s2", (1, 32, 128, 128), 2, (1, 1), "compute", _conv_transpose),
+    Case("group_norm 8 groups", (1, 64, 256, 256), 2, (0, 0), "memory", _group_norm),
+    Case("batch_norm (training)", (4, 32, 128, 128), 2, (0, 0), "memory", _batch_norm),
+    Case("layer_norm over (C,H,W)", (4, 32, 128, 128), 2, (0, 0), "memory", _layer_norm),
+    Case("avg_pool2d k2", (1, 32, 256, 256), 2, (0, 0), "memory", _plain(lambda t: F.avg_pool2d(t, 2))),
+    Case("max_pool2d k3 s1 p1", (1, 32, 256, 256), 2, (1, 1), "memory", _plain(lambda t: F.max_pool2d(t, 3, 1, 1))),
+    Case(
+        "interpolate bilinear x2", (1, 32, 128, 128), 2, (1, 1), "memory",
+        _plain(lambda t: F.interpolate(t, scale_factor=2, mode="bilinear")),
+    ),
+    Case("pad circular 2", (1, 32, 256, 256), 2, (2, 2), "memory", _plain(lambda t: F.pad(t, (2, 2, 2, 2), mode="circular"))),
+    Case("fft2 |.|", (4, 16, 256, 256), 2, (0, 0), "memory", _plain(lambda t: torch.fft.fft2(t).abs())),
+    Case("attention (1,4,4096,32) ring", (1, 4, 4096, 32), 2, (0, 0), "compute", _plain(_attention)),
+    Case("mean of squares over H,W", (4, 32, 256, 256), 2, (0, 0), "memory", _plain(lambda t: t.square().mean((2, 3)))),
+    Case(
+        "pointwise chain silu(2x+1)*x", (4, 32, 256, 256), 2, (0, 0), "memory",
+        _plain(lambda t: F.silu(t * 2 + 1) * t),
+    ),
+]
+TARGETS = {"compute": 1.15, "memory": 1.3}
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out.sum()
+
+
+def _median_time(step: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
+    step()
     samples = []
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         step()
+        sync()
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
 
 
-def _single_process(threads: int, repeats: int) -> dict[str, float]:
+def _whole_grid(cases: list[Case], threads: int, repeats: int) -> dict[str, float]:
     torch.set_num_threads(threads)
     results = {}
-    for name in CASES:
-        fn, inputs = _build(name)
-        leaf = inputs[0].clone().requires_grad_(True)
-
-        def step() -> None:
-            fn(leaf).sum().backward()
-
-        results[name] = _time(step, repeats)
+    for case in cases:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(case.shape, generator=gen).requires_grad_(True)
+        fn, _ = case.build(gen, case.shape)
+        results[case.name] = _median_time(lambda: _loss(fn(x)).backward(), repeats)
     return results
 
 
-def _sharded_worker(rank: int, world: int, port: int, repeats: int, queue) -> None:
+def _slab_with_halo(x: torch.Tensor, case: Case, sizes: list[int], rank: int) -> torch.Tensor:
+    start = sum(sizes[:rank])
+    lo, hi = max(0, start - case.halo[0]), min(x.shape[case.dim], start + sizes[rank] + case.halo[1])
+    return x.narrow(case.dim, lo, hi - lo).contiguous()
+
+
+def _rank_worker(rank: int, world: int, port: int, names: list[str], repeats: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     from physics_dp.distributed import DistributedManager
     from physics_dp.distributed.collectives import count_communication
     from physics_dp.shard_tensor import Shard, distribute_tensor
+    from physics_dp.shard_tensor.spec import balanced_sizes
 
     DistributedManager.initialize()
     mesh = DistributedManager().initialize_mesh((world,), ("domain",))
     results = {}
-    for name, case in CASES.items():
-        fn, inputs = _build(name)
-        x = distribute_tensor(inputs[0], mesh, [Shard(case["dim"])]).detach().requires_grad_(True)
+    for case in (c for c in CASES if c.name in names):
+        gen = torch.Generator().manual_seed(0)
+        full = torch.randn(case.shape, generator=gen)
+        fn, _ = case.build(gen, case.shape)
+        sharded = distribute_tensor(full, mesh, [Shard(case.dim)]).detach().requires_grad_(True)
+        slab = _slab_with_halo(full, case, list(balanced_sizes(case.shape[case.dim], world)), rank).requires_grad_(True)
 
-        def step() -> None:
-            fn(x).sum().backward()
+        def sharded_step() -> None:
+            _loss(fn(sharded)).backward()
 
-        dist.barrier()
-        seconds = _time(step, repeats)
+        def slab_step() -> None:
+            _loss(fn(slab)).backward()
+
+        sharded_step()
+        slab_step()
+        sharded_samples, slab_samples = [], []
+        for _ in range(repeats):  # interleaved, so background load hits both alike
+            for step, samples in ((sharded_step, sharded_samples), (slab_step, slab_samples)):
+                dist.barrier()
+                start = time.perf_counter()
+                step()
+                dist.barrier()
+                samples.append(time.perf_counter() - start)
         with count_communication() as log:
-            step()
-        results[name] = {"seconds": seconds, "bytes_sent": log.bytes_sent, "collectives": log.calls}
+            sharded_step()
+        results[case.name] = {
+            "sharded_s": statistics.median(sharded_samples),
+            "slab_s": statistics.median(slab_samples),
+            "bytes_sent": log.bytes_sent,
+            "collectives": log.calls,
+        }
     queue.put((rank, results))
     DistributedManager().cleanup()
 
 
-def _sharded(world: int, repeats: int) -> dict[str, dict]:
-    import socket
-
+def _sharded(cases: list[Case], world: int, repeats: int) -> dict[str, dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_sharded_worker, args=(r, world, port, repeats, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_rank_worker, args=(r, world, port, [c.name for c in cases], repeats, queue)) for r in range(world)]
     for p in procs:
         p.start()
     per_rank = dict(queue.get() for _ in procs)
     for p in procs:
         p.join()
-    merged = {}
-    for name in CASES:
-        merged[name] = {
-            "seconds": max(per_rank[r][name]["seconds"] for r in per_rank),  # the slowest rank sets the pace
-            "bytes_sent": max(per_rank[r][name]["bytes_sent"] for r in per_rank),
-            "collectives": max(per_rank[r][name]["collectives"] for r in per_rank),
-        }
-    return merged
+    return {case.name: {key: max(per_rank[r][case.name][key] for r in per_rank) for key in per_rank[0][case.name]} for case in cases}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--ops", default="", help="comma-separated substrings of op names to run (default: all)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    one_thread = _single_process(1, args.repeats)
-    n_threads = _single_process(args.ranks, args.repeats)
-    sharded = _sharded(args.ranks, args.repeats)
-    header = f"{'op (fwd+bwd)':38} {'1 proc x1 thr':>13} {f'1 proc x{args.ranks} thr':>13} {f'{args.ranks} ranks x1':>11} {'speedup vs 1x1':>15} {f'vs 1x{args.ranks}':>8} {'MiB sent/rank':>14} {'collectives':>11}"
+    wanted = [w.strip() for w in args.ops.split(",") if w.strip()]
+    cases = [c for c in CASES if not wanted or any(w in c.name for w in wanted)]
+    one_thread = _whole_grid(cases, 1, args.repeats)
+    n_threads = _whole_grid(cases, args.ranks, args.repeats)
+    sharded = _sharded(cases, args.ranks, args.repeats)
+    n = args.ranks
+    header = (
+        f"| op (fwd+bwd), global shape | {n} ranks sharded | slab + halo | sharded/slab | target | "
+        f"1 proc x1 thr | 1 proc x{n} thr | speedup vs x1 | vs x{n} | MiB sent/rank | collectives |"
+    )
     print(header)
-    print("-" * len(header))
+    print("|" + " --- |" * (header.count("|") - 1))
     rows = []
-    for name in CASES:
-        s = sharded[name]
+    for case in cases:
+        s = sharded[case.name]
         row = {
-            "op": name,
-            "single_1thread_s": one_thread[name],
-            f"single_{args.ranks}threads_s": n_threads[name],
-            f"sharded_{args.ranks}ranks_s": s["seconds"],
-            "speedup_vs_1thread": one_thread[name] / s["seconds"],
-            "speedup_vs_same_threads": n_threads[name] / s["seconds"],
+            "op": case.name,
+            "shape": case.shape,
+            "sharded_s": s["sharded_s"],
+            "slab_s": s["slab_s"],
+            "overhead": s["sharded_s"] / s["slab_s"],
+            "target": TARGETS[case.kind],
+            "single_1thread_s": one_thread[case.name],
+            f"single_{n}threads_s": n_threads[case.name],
+            "speedup_vs_1thread": one_thread[case.name] / s["sharded_s"],
+            "speedup_vs_same_threads": n_threads[case.name] / s["sharded_s"],
             "bytes_sent_per_rank": s["bytes_sent"],
             "collectives_per_rank": s["collectives"],
         }
         rows.append(row)
         print(
-            f"{name:38} {one_thread[name] * 1e3:11.1f}ms {n_threads[name] * 1e3:11.1f}ms {s['seconds'] * 1e3:9.1f}ms "
-            f"{row['speedup_vs_1thread']:14.2f}x {row['speedup_vs_same_threads']:7.2f}x {s['bytes_sent'] / 2**20:14.2f} {s['collectives']:11d}"
+            f"| {case.name} {case.shape} | {s['sharded_s'] * 1e3:.1f} ms | {s['slab_s'] * 1e3:.1f} ms | "
+            f"{row['overhead']:.2f}x | <= {row['target']:.2f} | {one_thread[case.name] * 1e3:.1f} ms | "
+            f"{n_threads[case.name] * 1e3:.1f} ms | {row['speedup_vs_1thread']:.2f}x | {row['speedup_vs_same_threads']:.2f}x | "
+            f"{s['bytes_sent'] / 2**20:.2f} | {s['collectives']} |",
+            flush=True,
         )
     if args.json:
         with open(args.json, "w") as handle:

@@ -83,12 +83,13 @@ def sum_grad_over_axes(tensor: torch.Tensor, mesh, axes: Sequence[int]) -> torch
     return _SumGradOverAxes.apply(tensor, mesh, tuple(axes))
 
 
-def local_param(param: torch.Tensor | None, like: ShardTensor) -> torch.Tensor | None:
+def local_param(param: torch.Tensor | None, like: ShardTensor, axes: Sequence[int] | None = None) -> torch.Tensor | None:
     """A parameter for local compute beside the slab of ``like``.
 
     Each rank's local compute yields only its slab's share of the parameter gradient; the
-    backward sums those shares over the axes that split ``like``.  Replicated ShardTensor
-    parameters are accepted too.
+    backward sums those shares over ``axes`` (default: every axis that splits ``like``; an op
+    whose own backward already sums over some of them passes the rest).  Replicated
+    ShardTensor parameters are accepted too.
     """
     if param is None:
         return None
@@ -96,7 +97,7 @@ def local_param(param: torch.Tensor | None, like: ShardTensor) -> torch.Tensor |
         if any(type(p) is not Replicate for p in param.placements):
             raise ShardedOpError("parameter", [param], "parameters must be plain tensors or replicated ShardTensors")
         param = to_local(param)
-    return sum_grad_over_axes(param, like.device_mesh, data_axes(like))
+    return sum_grad_over_axes(param, like.device_mesh, data_axes(like) if axes is None else axes)
 
 
 def wrap_local(local: torch.Tensor, like: ShardTensor, shape: Sequence[int], axis_sizes: Sequence[Sequence[int] | None]) -> ShardTensor:

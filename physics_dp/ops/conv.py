@@ -28,6 +28,7 @@ from ..shard_tensor import Partial, Replicate, ShardTensor
 from ._args import bind, per_dim, single_device_shape
 from ._local import ShardedOpError, local_input, local_param, sharded_axes, wrap_local
 from .halo import Window, gather_window
+from .halo_conv import HaloConvGeometry, eligible_geometry, halo_conv
 
 __all__ = [
     "conv_output_split",
@@ -234,11 +235,29 @@ def _gather_sharded(local: torch.Tensor, x: ShardTensor, windows_by_dim: dict[in
     return local
 
 
+def _halo_conv_geometry(x: ShardTensor, bound: dict[str, Any], nd: int, padding: list[tuple[int, int]]) -> HaloConvGeometry | None:
+    """The geometry of :mod:`.halo_conv`'s copy-free path, when the conv is eligible for it."""
+    spatial_shards = [(axis, dim) for axis, dim in sharded_axes(x) if dim >= x.ndim - nd]
+    if len(spatial_shards) != 1 or any(left != right for left, right in padding):
+        return None
+    (axis, dim), i = spatial_shards[0], spatial_shards[0][1] - (x.ndim - nd)
+    stride, dilation = per_dim(bound["stride"], nd), per_dim(bound["dilation"], nd)
+    return eligible_geometry(
+        x._spec.axis_sizes[axis], x._spec.coordinate()[axis], dim, bound["weight"].shape[2 + i], stride[i],
+        dilation[i], padding[i], padding=tuple(left for left, _ in padding), stride=tuple(stride),
+        dilation=tuple(dilation), groups=bound["groups"], group=x.device_mesh.get_group(axis),
+    )
+
+
 def _conv(func: Any, bound: dict[str, Any], nd: int) -> ShardTensor:
     x = bound["input"]
     out_shape = single_device_shape(func, bound)
     spec, axis_of = x._spec, _axis_of(x)
     padding = _conv_padding(bound["padding"], bound["weight"].shape[2:], per_dim(bound["dilation"], nd), nd)
+    geometry = _halo_conv_geometry(x, bound, nd, padding)
+    if geometry is not None:
+        weight, bias = local_param(bound["weight"], x), local_param(bound["bias"], x)
+        return wrap_local(halo_conv(local_input(x), weight, bias, geometry), x, out_shape, spec.axis_sizes)
     stencils = _stencils(bound, nd, [left for left, _ in padding])
     spatial = list(enumerate(range(x.ndim - nd, x.ndim)))
     axis_sizes, windows, counts = list(spec.axis_sizes), {}, {}

@@ -3,14 +3,16 @@
 Each op normalizes over a set of tensor dims; where a mesh axis shards one of them, the
 statistics must span every rank along that axis:
 
-- Forward: each rank computes (count, mean, M2) of its slab; the ranks along each such axis
-  all-gather these triples and merge them with Chan et al.'s parallel algorithm: one all-gather
-  per axis (a single one over the job when the axes are the whole mesh) of ``1 + 2 * stats``
-  float64 values, where ``stats`` is the number of statistics (e.g. N * groups), never the grid
-  size.  No E[x^2] - E[x]^2 cancellation; an empty shard has count 0 and weighs nothing.
-- Backward: with g = dL/dxhat, dx = rstd * (g - mean(g) - xhat * mean(g * xhat)); the local sums
-  of g and g * xhat are packed into one all-reduce per axis (again a single one over the job).
-  Affine parameters enter through ``local_param`` (its backward all-reduces their gradients).
+- Forward: each rank computes (count, mean, M2) of its slab with torch's fused kernel; the ranks
+  along each such axis all-gather these triples and merge them in float64 (:mod:`.moments`): one
+  all-gather per axis (a single one over the job when the axes are the whole mesh) of
+  ``1 + 2 * stats`` values, where ``stats`` is the number of statistics (e.g. N * groups), never
+  the grid size.  Group, batch and instance norm then apply y = x * a + b in one fused pass, with
+  a and b folded from the statistics and the affine parameters.
+- Backward: with g = dL/dxhat, dx = rstd * (g - mean(g) - xhat * mean(g * xhat)).  For the channel
+  norms the per-(sample, channel) sums of dy and dy * x (one message, all-reduced once) give dx as
+  alpha * dy + beta * x + gamma, and the affine parameters' gradients in closed form, already
+  summed over the ranks sharing the statistics: no separate parameter all-reduce.
 
 Without a sharded normalized dim (layer norm over unsharded trailing dims, group norm with only
 the batch split, eval-mode batch norm) the op runs on the slab with no communication at all.
@@ -24,86 +26,180 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
 from ..shard_tensor import Replicate, ShardTensor
 from ..shard_tensor.dispatch import run_default
-from ._local import ShardedOpError, groups_spanning, local_input, local_param, sharded_axes, wrap_local
+from ._local import ShardedOpError, data_axes, groups_spanning, local_input, local_param, sharded_axes, wrap_local
+from .moments import LOW_PRECISION, global_moments, local_moments, merge_moments
 
-__all__ = ["global_moments"]
-
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
+__all__: list[str] = []
 
 
-# ----- statistics -----------------------------------------------------------------------------
-def _local_moments(x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(count, mean, M2) of the slab over ``dims`` (keepdim) in float64; zeros for an empty slab.
+# ----- group, batch and instance norm: fused statistics, closed-form backward ------------------
+class _StatLayout:
+    """Which (N, C, L) entries share a statistic: ``groups`` runs of channels, per sample or not.
 
-    The mean is summed in float64: a mean rounded to the input dtype would carry its rounding
-    error (an ulp of the offset, large for data far from zero) into the merged M2.
+    Group norm: per (sample, group); instance norm: per (sample, channel) (groups = C); batch norm:
+    per channel over the whole batch (``per_sample`` False, groups = C).
     """
-    count = math.prod(x.shape[d] for d in dims)
-    if x.numel() == 0:
-        shape = [1 if d in dims else s for d, s in enumerate(x.shape)]
-        mean = m2 = torch.zeros(shape, dtype=torch.float64, device=x.device)
-    else:
-        mean = x.sum(dims, keepdim=True, dtype=torch.float64) / count
-        m2 = torch.var(x, dims, correction=0, keepdim=True).double() * count
-    return torch.tensor(float(count), dtype=torch.float64, device=x.device), mean, m2
+
+    __slots__ = ("groups", "per_sample")
+
+    def __init__(self, groups: int, per_sample: bool) -> None:
+        self.groups, self.per_sample = groups, per_sample
+
+    def local_moments(self, x3: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """(count, mean, M2) per statistic of the slab, float64, shaped (N or 1, groups)."""
+        n, c, length = x3.shape
+        if self.per_sample:
+            count, mean, m2 = local_moments(x3.reshape(n, self.groups, c // self.groups * length), (2,))
+            return count, mean.view(n, self.groups), m2.view(n, self.groups)
+        count, mean, m2 = local_moments(x3, (0, 2))
+        return count, mean.view(1, c), m2.view(1, c)
+
+    def per_channel(self, stat: torch.Tensor, channels: int) -> torch.Tensor:
+        """A (N or 1, groups) statistic repeated over the channels of each group: (N or 1, C)."""
+        rows = stat.shape[0]
+        return stat.view(rows, self.groups, 1).expand(rows, self.groups, channels // self.groups).reshape(rows, channels)
+
+    def per_stat(self, values: torch.Tensor) -> torch.Tensor:
+        """Sums of (N or 1, C) values over the channels sharing each statistic: (N or 1, groups)."""
+        rows, c = values.shape
+        return values.view(rows, self.groups, c // self.groups).sum(2)
 
 
-def _merge_moments(
-    count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, group: ProcessGroup
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Chan et al.'s merge of every rank's (count, mean, M2) along ``group``: one all-gather."""
-    size = mean.numel()
-    packed = torch.cat([count.reshape(1), mean.reshape(-1), m2.reshape(-1)])
-    parts = torch.distributed.get_world_size(group)
-    gathered = collectives.all_gather_along_dim(packed.unsqueeze(0), [1] * parts, 0, group)
-    counts, means, m2s = gathered[:, :1], gathered[:, 1 : 1 + size], gathered[:, 1 + size :]
-    total = counts.sum()
-    merged_mean = (counts * means).sum(0) / total.clamp(min=1)
-    merged_m2 = m2s.sum(0) + (counts * (means - merged_mean) ** 2).sum(0)
-    return total, merged_mean.view_as(mean), merged_m2.view_as(m2)
+def _scale_shift(x3: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """x3 * scale + shift with (N or 1, C) coefficients, in one fused pass.
 
-
-def global_moments(
-    x: torch.Tensor, dims: tuple[int, ...], groups: Sequence[ProcessGroup]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Global (count, mean, M2) in float64 over ``dims`` of the slabs ``x``, merged along each group in turn.
-
-    Shared with the var/std reductions.  One all-gather of ``1 + 2 * stats`` values per group.
+    Eval-mode batch norm with mean 0 and variance 1 computes exactly ``x * weight + bias`` per
+    channel; viewing (N, C, L) as one sample of N * C channels gives per-(sample, channel) values.
     """
-    count, mean, m2 = _local_moments(x, dims)
-    for group in groups:
-        count, mean, m2 = _merge_moments(count, mean, m2, group)
-    return count, mean, m2
+    n, c, length = x3.shape
+    if x3.numel() == 0:  # an empty shard (the kernel cannot take zero channels)
+        return torch.empty_like(x3)
+    scale = scale.to(x3.dtype).expand(n, c).reshape(-1)
+    shift = shift.to(x3.dtype).expand(n, c).reshape(-1)
+    zeros, ones = torch.zeros_like(scale), torch.ones_like(scale)
+    y = torch.batch_norm(x3.reshape(1, n * c, length), scale, shift, zeros, ones, False, 0.0, 0.0, False)
+    return y.view(n, c, length)
 
 
-class _NormalizeGlobally(torch.autograd.Function):
-    """xhat = (x - mean) / sqrt(var + eps), with mean and var over ``dims`` of the global tensor.
+class _ChannelNorm(torch.autograd.Function):
+    """Group, batch or instance norm with statistics over the global grid, affine included.
 
-    Also returns the (non-differentiable) mean and biased variance for running statistics.
+    Forward: fused local moments, one all-gather of the merged float64 statistics per group, then
+    y = x * a + b in one pass.  Backward: the per-(sample, channel) sums of dy and dy * x, all-reduced
+    in one message, give dx = alpha * dy + beta * x + gamma and the weight and bias gradients in
+    closed form (already summed over the ranks that share the statistics).
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, x: torch.Tensor, dims: tuple[int, ...], groups: tuple[ProcessGroup, ...], eps: float
+        ctx,
+        x3: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        layout: _StatLayout,
+        groups: tuple[ProcessGroup, ...],
+        eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        count, mean, m2 = global_moments(x, dims, groups)
-        count = count.clamp(min=1)
-        mean, var = mean.to(x.dtype), (m2 / count).to(x.dtype)
-        count = count.to(x.dtype)
+        channels = x3.shape[1]
+        count, mean, m2 = layout.local_moments(x3)
+        total = torch.tensor(float(count), dtype=torch.float64, device=x3.device)
+        for group in groups:
+            total, mean, m2 = merge_moments(total, mean, m2, group)
+        total = total.clamp(min=1)
+        var = m2 / total
         rstd = torch.rsqrt(var + eps)
-        xhat = (x - mean) * rstd
-        ctx.save_for_backward(xhat, rstd, count)
-        ctx.dims, ctx.groups = dims, groups
-        ctx.mark_non_differentiable(mean, var)
-        return xhat, mean, var
+        mean_c, rstd_c = layout.per_channel(mean, channels), layout.per_channel(rstd, channels)
+        scale = rstd_c if weight is None else rstd_c * weight.double()
+        shift = -mean_c * scale if bias is None else bias.double() - mean_c * scale
+        y = _scale_shift(x3, scale, shift)
+        ctx.save_for_backward(x3, weight)
+        ctx.stats = (mean, rstd, total, scale)
+        ctx.layout, ctx.groups = layout, groups
+        ctx.has_bias = bias is not None
+        out_mean, out_var = mean.to(x3.dtype), var.to(x3.dtype)
+        ctx.mark_non_differentiable(out_mean, out_var)
+        return y, out_mean, out_var
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor, _mean_grad: torch.Tensor, _var_grad: torch.Tensor):  # type: ignore[override]
+        x3, weight = ctx.saved_tensors
+        mean, rstd, total, scale = ctx.stats
+        layout = ctx.layout
+        channels = x3.shape[1]
+        sums = torch.stack([grad.sum(2), torch.einsum("ncl,ncl->nc", grad, x3)]).double()
+        if not layout.per_sample:  # batch statistics: the batch (possibly split unevenly) is summed first
+            sums = sums.sum(1, keepdim=True)
+        for group in ctx.groups:
+            sums = collectives.all_reduce(sums, "sum", group)
+        s1, s2 = sums  # per (sample or batch, channel): sum dy, sum dy * x over the global grid
+        mean_c, rstd_c = layout.per_channel(mean, channels), layout.per_channel(rstd, channels)
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            w = 1.0 if weight is None else weight.double()
+            sum_g = layout.per_stat(w * s1)  # sum of dL/dxhat
+            sum_g_xhat = rstd * (layout.per_stat(w * s2) - mean * sum_g)  # sum of dL/dxhat * xhat
+            beta = -rstd.square() * sum_g_xhat / total
+            gamma = rstd * (mean * rstd * sum_g_xhat - sum_g) / total
+            grad_x = _scale_shift(x3, layout.per_channel(beta, channels), layout.per_channel(gamma, channels))
+            grad_x.addcmul_(grad, scale.to(grad.dtype).unsqueeze(-1))
+        if weight is not None and ctx.needs_input_grad[1]:
+            grad_weight = (rstd_c * (s2 - mean_c * s1)).sum(0).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = s1.sum(0).to(grad.dtype)
+        return grad_x, grad_weight, grad_bias, None, None, None
+
+
+def _channel_norm(
+    x: ShardTensor,
+    local: torch.Tensor,
+    layout: _StatLayout,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    stat_dims: Sequence[int],
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Normalize the slab ``local`` of ``x`` with statistics over ``stat_dims`` of the global tensor.
+
+    The affine parameters' gradients come out of the statistics' all-reduce already summed over
+    the axes that shard ``stat_dims``; only the remaining data axes (e.g. a split batch in group
+    norm) still sum them.
+    """
+    stat_axes = [axis for axis, dim in sharded_axes(x) if dim in stat_dims]
+    other_axes = [axis for axis in data_axes(x) if axis not in stat_axes]
+    w, b = local_param(weight, x, other_axes), local_param(bias, x, other_axes)
+    work = local.float() if local.dtype in LOW_PRECISION else local
+    x3 = work.reshape(work.shape[0], work.shape[1], math.prod(work.shape[2:]))
+    groups = tuple(groups_spanning(x.device_mesh, tuple(stat_axes)))
+    y, mean, var = _ChannelNorm.apply(x3, w, b, layout, groups, eps)
+    return y.view(local.shape).to(local.dtype), mean, var
+
+
+# ----- layer norm over sharded dims: global statistics per leading index -----------------------
+class _NormalizeGlobally(torch.autograd.Function):
+    """xhat = (x - mean) / sqrt(var + eps), with mean and var over the trailing ``dims`` of the global tensor."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, x: torch.Tensor, dims: tuple[int, ...], groups: tuple[ProcessGroup, ...], eps: float
+    ) -> torch.Tensor:
+        count, mean, m2 = global_moments(x, dims, groups)
+        count = count.clamp(min=1)
+        rstd = torch.rsqrt(m2 / count + eps)
+        xhat = torch.addcmul((-mean * rstd).to(x.dtype), x, rstd.to(x.dtype))
+        ctx.save_for_backward(xhat, rstd.to(x.dtype), count.to(x.dtype))
+        ctx.dims, ctx.groups = dims, groups
+        return xhat
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
         xhat, rstd, count = ctx.saved_tensors
@@ -111,7 +207,8 @@ class _NormalizeGlobally(torch.autograd.Function):
         for group in ctx.groups:
             sums = collectives.all_reduce(sums, "sum", group)
         mean_grad, mean_grad_xhat = sums / count
-        return rstd * (grad - mean_grad - xhat * mean_grad_xhat), None, None, None
+        grad_x = torch.addcmul(-rstd * mean_grad, xhat, -rstd * mean_grad_xhat)
+        return grad_x.addcmul_(grad, rstd), None, None, None
 
 
 # ----- shared pieces --------------------------------------------------------------------------
@@ -135,24 +232,6 @@ def _groups_over(x: ShardTensor, dims: Sequence[int]) -> tuple[ProcessGroup, ...
 def _finish(y: torch.Tensor, x: ShardTensor) -> ShardTensor:
     """Normalization keeps the input's shape, placements and split."""
     return wrap_local(y, like=x, shape=x.shape, axis_sizes=x._spec.axis_sizes)
-
-
-def _normalize(
-    local: torch.Tensor, dims: tuple[int, ...], groups: tuple[ProcessGroup, ...], eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Global-statistics normalization of a slab; low precision computes in float32."""
-    work = local.float() if local.dtype in _LOW_PRECISION else local
-    return _NormalizeGlobally.apply(work, dims, groups, eps)
-
-
-def _channel_affine(y: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
-    """y * weight + bias with per-channel (dim 1) parameters."""
-    shape = [1, -1] + [1] * (y.ndim - 2)
-    if weight is not None:
-        y = y * weight.view(shape)
-    if bias is not None:
-        y = y + bias.view(shape)
-    return y
 
 
 def _local_buffer(buffer: torch.Tensor | None) -> torch.Tensor | None:
@@ -200,14 +279,11 @@ def _group_norm(
             f"Expected number of channels in input to be divisible by num_groups, got {channels} and {num_groups}"
         )
     local = local_input(x)
-    w, b = local_param(weight, x), local_param(bias, x)
-    groups = _groups_over(x, range(2, x.ndim))
-    if not groups:
-        return _finish(F.group_norm(local, num_groups, w, b, eps), x)
-    inner = channels // num_groups * math.prod(local.shape[2:])
-    xhat, _, _ = _normalize(local.reshape(local.shape[0], num_groups, inner), (2,), groups, eps)
-    y = _channel_affine(xhat.reshape(local.shape), w, b)
-    return _finish(y.to(local.dtype), x)
+    spatial = tuple(range(2, x.ndim))
+    if not _groups_over(x, spatial):
+        return _finish(F.group_norm(local, num_groups, local_param(weight, x), local_param(bias, x), eps), x)
+    y, _, _ = _channel_norm(x, local, _StatLayout(num_groups, per_sample=True), weight, bias, spatial, eps)
+    return _finish(y, x)
 
 
 # ----- batch norm -----------------------------------------------------------------------------
@@ -227,14 +303,14 @@ def _batch_norm(
     if training:
         _verify_values_per_channel(count, "value per channel", x.shape)
     local = local_input(x)
-    w, b = local_param(weight, x), local_param(bias, x)
     rm, rv = _local_buffer(running_mean), _local_buffer(running_var)
-    groups = _groups_over(x, dims)
-    if not training or not groups:
+    if not training or not _groups_over(x, dims):
+        w, b = local_param(weight, x), local_param(bias, x)
         return _finish(F.batch_norm(local, rm, rv, w, b, training, momentum, eps), x)
-    xhat, mean, var = _normalize(local, dims, groups, eps)
+    layout = _StatLayout(x.shape[1], per_sample=False)
+    y, mean, var = _channel_norm(x, local, layout, weight, bias, dims, eps)
     _update_running(rm, rv, mean, var, count, momentum)
-    return _finish(_channel_affine(xhat, w, b).to(local.dtype), x)
+    return _finish(y, x)
 
 
 # ----- instance norm --------------------------------------------------------------------------
@@ -262,19 +338,19 @@ def _instance_norm(
     if use_input_stats:
         _verify_values_per_channel(count, "spatial element", x.shape)
     local = local_input(x)
-    w, b = local_param(weight, x), local_param(bias, x)
     rm, rv = _local_buffer(running_mean), _local_buffer(running_var)
-    if not use_input_stats:  # running statistics per channel: batch norm's eval transform, local
-        return _finish(F.batch_norm(local, rm, rv, w, b, False, momentum, eps), x)
-    groups = _groups_over(x, dims)
     tracks_running = rm is not None or rv is not None
     batch_split = bool(_groups_over(x, (0,)))  # then running statistics average over ranks
-    if not (groups or (batch_split and tracks_running)):
+    if not use_input_stats or not (_groups_over(x, dims) or (batch_split and tracks_running)):
+        w, b = local_param(weight, x), local_param(bias, x)
+        if not use_input_stats:  # running statistics per channel: batch norm's eval transform, local
+            return _finish(F.batch_norm(local, rm, rv, w, b, False, momentum, eps), x)
         return _finish(F.instance_norm(local, rm, rv, w, b, True, momentum, eps), x)
-    xhat, mean, var = _normalize(local, dims, groups, eps)
+    layout = _StatLayout(x.shape[1], per_sample=True)
+    y, mean, var = _channel_norm(x, local, layout, weight, bias, dims, eps)
     if tracks_running:
         _update_running(rm, rv, _batch_average(mean, x), _batch_average(var, x), count, momentum)
-    return _finish(_channel_affine(xhat, w, b).to(local.dtype), x)
+    return _finish(y, x)
 
 
 # ----- layer norm -----------------------------------------------------------------------------
@@ -310,7 +386,8 @@ def _layer_norm(
     groups = _groups_over(x, dims)
     if not groups:
         return _finish(F.layer_norm(local, normalized_shape, w, b, eps), x)
-    xhat, _, _ = _normalize(local, dims, groups, eps)
+    work = local.float() if local.dtype in LOW_PRECISION else local
+    xhat = _NormalizeGlobally.apply(work, dims, groups, eps)
     w, b = _slab_of_param(w, x, first), _slab_of_param(b, x, first)
     y = xhat if w is None else xhat * w
     y = y if b is None else y + b

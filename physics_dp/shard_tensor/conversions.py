@@ -22,6 +22,7 @@ from .spec import ShardTensorSpec, chunk_sizes
 __all__ = [
     "spec_from_local",
     "from_local_with_spec",
+    "from_local_exact",
     "to_local",
     "full_tensor",
     "redistribute",
@@ -129,7 +130,11 @@ class _FromLocal(torch.autograd.Function):
 
 
 def from_local_with_spec(local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
-    local = local.contiguous()  # the spec describes a contiguous global layout
+    return from_local_exact(local.contiguous(), spec)  # the spec describes a contiguous global layout
+
+
+def from_local_exact(local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
+    """Wrap ``local`` under ``spec``, whose strides already describe the slab's own (no copy)."""
     if _needs_autograd(local):
         return _FromLocal.apply(local, spec)
     return ShardTensor(local, spec)

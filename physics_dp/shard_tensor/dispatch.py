@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import local_only
+from .local_only import local_only_spec, run_aten_on_slabs, run_function_on_slabs
 from .spec import contiguous_strides
 
 __all__ = [
@@ -45,6 +47,7 @@ _ShardTensor: type | None = None
 def bind_shard_tensor_class(cls: type) -> None:
     global _ShardTensor
     _ShardTensor = cls
+    local_only.bind_shard_tensor_class(cls)
 
 
 def register_function_handler(func: Any, handler: FunctionHandler) -> None:
@@ -167,6 +170,9 @@ def torch_function(cls: type, func: Any, types: tuple, args: tuple = (), kwargs:
         kwargs = {}
     handler = _function_handlers.get(func)
     if handler is not None:
+        like = local_only_spec(args, kwargs)
+        if like is not None:
+            return run_function_on_slabs(func, args, kwargs, like)
         return handler(func, types, args, kwargs)
     # Below the handlers, tensor properties (``requires_grad``, ...) must not re-enter this
     # function: each re-entry costs microseconds, a third of a small op's overhead.
@@ -272,6 +278,9 @@ def torch_dispatch(cls: type, op: torch._ops.OpOverload, types: tuple, args: tup
     if plan is None:
         plan = _aten_plans[op] = (_dispatch_handlers.get(op), _classify(op))
     handler, kind = plan
+    like = local_only_spec(args, kwargs)
+    if like is not None:
+        return run_aten_on_slabs(op, args, kwargs, like)
     if handler is not None:
         return handler(op, args, kwargs)
     if kind != _NOT_POINTWISE:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from .placements import Placement, Shard, normalize_placements
+from .placements import Placement, Replicate, Shard, normalize_placements
 
 __all__ = ["ShardTensorSpec", "balanced_sizes", "chunk_sizes", "contiguous_strides"]
 
@@ -61,7 +61,9 @@ class ShardTensorSpec:
     immutable so ops may share them between inputs and outputs without copies.
     """
 
-    __slots__ = ("mesh", "placements", "shape", "stride", "axis_sizes", "has_partial", "_local_shape", "_hash")
+    __slots__ = (
+        "mesh", "placements", "shape", "stride", "axis_sizes", "has_partial", "local_only", "_local_shape", "_hash"
+    )
 
     def __init__(
         self,
@@ -97,6 +99,8 @@ class ShardTensorSpec:
                 sizes.append(None)
         self.axis_sizes: tuple[tuple[int, ...] | None, ...] = tuple(sizes)
         self.has_partial = any(p.is_partial() for p in self.placements)
+        # every slab holds the global value: ops need no communication (see local_only.py)
+        self.local_only = all(type(p) is Replicate or mesh.size(a) == 1 for a, p in enumerate(self.placements))
         self._local_shape: torch.Size | None = None
         self._hash: int | None = None
 

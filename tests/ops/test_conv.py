@@ -213,12 +213,14 @@ def _p2p(records):
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_conv_halo_sends_exactly_the_halo_rows(world):
-    row = 2 * 3 * 8 * 4  # N * C * W float32
+    row = 2 * 3 * 8 * 4  # N * C_in * W float32
+    # the copy-free path sends the output gradient's boundary row back (N * C_out * W)
+    grad_row = 2 * 4 * 8 * 4
     weight_and_bias = [("all_reduce", 4 * 3 * 3 * 3 * 4), ("all_reduce", 4 * 4)]
     for (c,), forward, backward in run_on_ranks(world, _conv_bytes, (world,), 3, 1, 1):
         neighbours = (c > 0) + (c < world - 1)
         assert forward == [("p2p", row)] * neighbours, (c, forward)
-        assert _p2p(backward) == [row] * neighbours, (c, backward)
+        assert _p2p(backward) == [grad_row] * neighbours, (c, backward)
         assert sorted(r for r in backward if r[0] != "p2p") == sorted(weight_and_bias), (c, backward)
 
 
@@ -298,3 +300,40 @@ def _invalid_arguments_raise_like_torch():
 
 def test_invalid_arguments_raise_torch_errors():
     assert all(run_on_ranks(2, _invalid_arguments_raise_like_torch))
+
+
+# ----- the copy-free 'same' path: only the gradients asked for --------------------------------------
+def _gradients_asked_for(world: int) -> list[str]:
+    """(3, 19) rows over ``world`` ranks, uneven: each grad subset equals one device; no input grad, no p2p back."""
+    mesh = get_mesh((world,))
+    torch.manual_seed(0)
+    full = torch.randn(2, 4, 19, 6)
+    conv = nn.Conv2d(4, 6, 5, padding=2, groups=2)
+    outcomes = []
+    for input_grad, weight_grad in ((True, False), (False, True), (True, True)):
+        conv.zero_grad()
+        for p in conv.parameters():
+            p.requires_grad_(weight_grad)
+        reference = full.clone().requires_grad_(input_grad)
+        expected = conv(reference)
+        expected.square().sum().backward()
+        reference_weight = None if conv.weight.grad is None else conv.weight.grad.clone()
+        conv.zero_grad()
+        x = distribute_tensor(full, mesh, [Shard(2)]).requires_grad_(input_grad)
+        y = conv(x)
+        with count_communication() as backward:
+            y.square().sum().backward()
+        torch.testing.assert_close(y.full_tensor(), expected.detach(), atol=1e-5, rtol=1e-5)
+        if input_grad:
+            torch.testing.assert_close(x.grad.full_tensor(), reference.grad, atol=1e-5, rtol=1e-5)
+        else:
+            assert "p2p" not in backward.kinds(), backward.kinds()
+        if weight_grad:
+            torch.testing.assert_close(conv.weight.grad, reference_weight, atol=1e-4, rtol=1e-5)
+        outcomes.append(f"input={input_grad} weight={weight_grad}")
+    return outcomes
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_same_conv_computes_only_the_gradients_asked_for(world):
+    assert len(run_on_ranks(world, _gradients_asked_for, world)[0]) == 3

@@ -1,0 +1,185 @@
+"""The common convolution, stride 1 and 'same' along one sharded dim, without copying the slab.
+
+A convolution is linear in its input, so the output of a slab with its halo rows equals the
+plain convolution of the slab alone (zero padded: torch's own op on the rank's data, no copy)
+plus the contribution of the halo rows, which only reaches the first and last ``r`` output
+rows (``r`` = the padding, half the kernel's span).  The halo exchange starts first, the slab's
+convolution runs while it is in flight, then a convolution of each received halo strip (``3r``
+rows) is added to the boundary rows.  The backward mirrors it: the output gradient's ``r``
+boundary rows travel to the neighbours while the slab's ``convolution_backward`` runs (only the
+gradients autograd asks for), then the neighbours' rows add their share to the boundary of the
+input gradient, and the halo strips add theirs to the weight gradient.
+
+Eligible: stride 1, zero padding ``r`` on both sides with ``2 r`` equal to the kernel's span,
+one sharded spatial dim, and every shard at least ``r`` rows (halos come from adjacent ranks
+only).  Everything else takes the general window-gather path in :mod:`.conv`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+from torch.distributed import ProcessGroup
+
+from ..distributed import collectives
+
+__all__ = ["HaloConvGeometry", "halo_conv"]
+
+_CONV_BY_DIMS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+@dataclass(frozen=True)
+class HaloConvGeometry:
+    """Everything but the tensors: the sharded dim, its reach, and the conv's own arguments."""
+
+    dim: int  # tensor dim of the sharded spatial dim
+    reach: int  # r: rows needed from each neighbour
+    padding: tuple[int, ...]  # per spatial dim, for the slab's own convolution
+    stride: tuple[int, ...]
+    dilation: tuple[int, ...]
+    groups: int
+    group: ProcessGroup
+    has_prev: bool
+    has_next: bool
+
+    def strip_padding(self) -> tuple[int, ...]:
+        """The halo strips are convolved without padding along the sharded dim."""
+        padding = list(self.padding)
+        padding[self.dim - 2] = 0
+        return tuple(padding)
+
+
+def _with_rows(shape: Sequence[int], dim: int, rows: int) -> list[int]:
+    shape = list(shape)
+    shape[dim] = rows
+    return shape
+
+
+def _exchange_rows(local: torch.Tensor, geometry: HaloConvGeometry) -> collectives.PendingExchange:
+    """Start sending the first ``r`` rows to the previous rank and the last ``r`` to the next, and receiving theirs.
+
+    The forward's input halo and the backward's output-gradient halo travel the same way.
+    """
+    me, r, dim = dist.get_rank(geometry.group), geometry.reach, geometry.dim
+    extent = local.shape[dim]
+    sends, recv_shapes = {}, {}
+    if geometry.has_prev:
+        sends[me - 1] = local.narrow(dim, 0, r)
+        recv_shapes[me - 1] = _with_rows(local.shape, dim, r)
+    if geometry.has_next:
+        sends[me + 1] = local.narrow(dim, extent - r, r)
+        recv_shapes[me + 1] = _with_rows(local.shape, dim, r)
+    return collectives.start_exchange(sends, recv_shapes, geometry.group, dtype=local.dtype, device=local.device)
+
+
+def _received(pending: collectives.PendingExchange, geometry: HaloConvGeometry) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(rows from the previous rank, rows from the next rank)."""
+    received = pending.wait()
+    me = dist.get_rank(geometry.group)
+    return received.get(me - 1) if geometry.has_prev else None, received.get(me + 1) if geometry.has_next else None
+
+
+def _strip(halo: torch.Tensor, geometry: HaloConvGeometry, before: bool) -> torch.Tensor:
+    """The ``3r`` rows around a boundary with only the halo's values: halo then zeros, or zeros then halo."""
+    zeros = halo.new_zeros(_with_rows(halo.shape, geometry.dim, 2 * geometry.reach))
+    return torch.cat([halo, zeros] if before else [zeros, halo], geometry.dim)
+
+
+class _HaloConv(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geometry: HaloConvGeometry
+    ) -> torch.Tensor:
+        conv = _CONV_BY_DIMS[local.ndim - 2]
+        dim, r = geometry.dim, geometry.reach
+        pending = _exchange_rows(local, geometry)
+        y = conv(local, weight, bias, geometry.stride, geometry.padding, geometry.dilation, geometry.groups)
+        prev_rows, next_rows = _received(pending, geometry)
+        strips = []
+        for rows, before, start in ((prev_rows, True, 0), (next_rows, False, y.shape[dim] - r)):
+            if rows is None:
+                strips.append(None)
+                continue
+            strip = _strip(rows, geometry, before)
+            strips.append(strip)
+            correction = conv(strip, weight, None, geometry.stride, geometry.strip_padding(), geometry.dilation, geometry.groups)
+            y.narrow(dim, start, r).add_(correction)
+        ctx.save_for_backward(local, weight, *(s for s in strips if s is not None))
+        ctx.geometry, ctx.has_strips, ctx.has_bias = geometry, tuple(s is not None for s in strips), bias is not None
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        local, weight, *saved_strips = ctx.saved_tensors
+        geometry: HaloConvGeometry = ctx.geometry
+        dim, r = geometry.dim, geometry.reach
+        need_input, need_weight, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        pending = _exchange_rows(grad, geometry) if need_input else None
+        grad_input, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
+            grad, local, weight, [weight.shape[0]] if ctx.has_bias else None,
+            geometry.stride, geometry.padding, geometry.dilation, False, [0] * len(geometry.padding), geometry.groups,
+            [need_input, need_weight, need_bias and ctx.has_bias],
+        )
+        strips = iter(saved_strips)
+        extent = grad.shape[dim]
+        boundary_rows = ((0, True), (extent - r, False))
+        if need_weight:
+            for has_strip, (start, _) in zip(ctx.has_strips, boundary_rows):
+                if has_strip:
+                    _, strip_weight, _ = torch.ops.aten.convolution_backward(
+                        grad.narrow(dim, start, r), next(strips), weight, None, geometry.stride,
+                        geometry.strip_padding(), geometry.dilation, False, [0] * len(geometry.padding),
+                        geometry.groups, [False, True, False],
+                    )
+                    grad_weight.add_(strip_weight)
+        if need_input:
+            prev_grad, next_grad = _received(pending, geometry)
+            for neighbour_grad, (start, before) in zip((prev_grad, next_grad), boundary_rows):
+                if neighbour_grad is None:
+                    continue
+                # the neighbour's r boundary outputs read 3r input rows, r of them ours
+                strip_shape = _with_rows(local.shape, dim, 3 * r)
+                strip_input, _, _ = torch.ops.aten.convolution_backward(
+                    neighbour_grad, local.new_empty(strip_shape), weight, None, geometry.stride,
+                    geometry.strip_padding(), geometry.dilation, False, [0] * len(geometry.padding),
+                    geometry.groups, [True, False, False],
+                )
+                ours = strip_input.narrow(dim, 2 * r, r) if before else strip_input.narrow(dim, 0, r)
+                grad_input.narrow(dim, start, r).add_(ours)
+        return grad_input, grad_weight, grad_bias, None
+
+
+def halo_conv(
+    local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geometry: HaloConvGeometry
+) -> torch.Tensor:
+    """The 'same' convolution of the global tensor, on this rank's slab (see the module docstring)."""
+    return _HaloConv.apply(local, weight, bias, geometry)
+
+
+def eligible_geometry(
+    sizes: Sequence[int],
+    me: int,
+    dim: int,
+    dim_kernel: int,
+    dim_stride: int,
+    dim_dilation: int,
+    dim_padding: tuple[int, int],
+    **conv_args: Any,
+) -> HaloConvGeometry | None:
+    """The geometry when the sharded dim's conv is stride 1, zero 'same' padding and every shard holds its reach.
+
+    ``dim_*`` describe the sharded dim; ``conv_args`` are the remaining geometry fields.
+    """
+    left, right = dim_padding
+    reach = left
+    span = dim_dilation * (dim_kernel - 1)
+    if dim_stride != 1 or left != right or 2 * reach != span or reach == 0 or min(sizes) < reach:
+        return None
+    return HaloConvGeometry(dim=dim, reach=reach, has_prev=me > 0, has_next=me < len(sizes) - 1, **conv_args)

@@ -1,0 +1,109 @@
+"""Global moments (count, mean, M2) of sharded data: fused local kernels, a float64 merge of the few.
+
+Normalization takes its local statistics from torch's fused row-moments kernel (the one inside
+``native_group_norm``: one pass in the input's dtype, what torch's own normalization computes),
+because ``torch.var`` on CPU is an order of magnitude slower on one thread.  The var/std
+reductions must equal ``torch.var`` itself, so they use the slower exact path (a float64 sum for
+the mean, then ``torch.var``).  Only the per-statistic results, whose number is that of the
+statistics (e.g. N * groups) and never the grid size, are merged across ranks in float64 with
+Chan et al.'s parallel algorithm: no E[x^2] - E[x]^2 cancellation, and an empty shard has count
+0 and weighs nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch.distributed import ProcessGroup
+
+from ..distributed import collectives
+
+__all__ = ["local_moments", "exact_local_moments", "merge_moments", "global_moments", "LOW_PRECISION"]
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _row_moments(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 (mean, M2) of each row of a (P, Q) tensor with Q > 0, by the fused group-norm kernel."""
+    p, q = rows.shape
+    # eps = 0 makes rstd = var^-1/2 exactly as computed (inf for a constant row, giving var 0)
+    _, mean, rstd = torch.ops.aten.native_group_norm(rows.reshape(1, p, q), None, None, 1, p, q, p, 0.0)
+    var = rstd.double().reshape(p).pow(-2)
+    return mean.double().reshape(p), var * q
+
+
+def local_moments(x: torch.Tensor, dims: Sequence[int]) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(count, mean, M2) of ``x`` over ``dims``, mean and M2 in float64 with those dims kept as 1."""
+    dims = tuple(sorted(d % x.ndim for d in dims))
+    count = math.prod(x.shape[d] for d in dims)
+    kept = [1 if d in dims else s for d, s in enumerate(x.shape)]
+    if x.numel() == 0:
+        zeros = torch.zeros(kept, dtype=torch.float64, device=x.device)
+        return count, zeros, zeros.clone()
+    if x.dtype in LOW_PRECISION:
+        x = x.float()  # the fused kernel would round its statistics to the input dtype
+    first = x.ndim - len(dims)
+    if dims == tuple(range(first, x.ndim)):  # trailing dims: rows are already contiguous runs
+        mean, m2 = _row_moments(x.reshape(-1, count))
+        return count, mean.view(kept), m2.view(kept)
+    if x.ndim >= 2 and dims == (0, *range(2, x.ndim)):  # batch-norm layout: per (n, c), then over n
+        n, c = x.shape[:2]
+        mean_nc, m2_nc = _row_moments(x.reshape(n * c, -1))
+        mean_nc, m2_nc = mean_nc.view(n, c), m2_nc.view(n, c)
+        mean = mean_nc.mean(0)
+        m2 = m2_nc.sum(0) + (count // n) * (mean_nc - mean).square().sum(0)
+        return count, mean.view(kept), m2.view(kept)
+    moved = x.movedim(dims, tuple(range(first, x.ndim)))
+    mean, m2 = _row_moments(moved.reshape(-1, count))
+    shape_moved = [moved.shape[d] for d in range(first)] + [1] * len(dims)
+    back = tuple(range(first, x.ndim))
+    return count, mean.view(shape_moved).movedim(back, dims), m2.view(shape_moved).movedim(back, dims)
+
+
+def exact_local_moments(x: torch.Tensor, dims: Sequence[int]) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(count, mean, M2) as ``torch.var`` computes them: the mean summed in float64.
+
+    A mean rounded to the input dtype would carry its rounding error (an ulp of the offset, large
+    for data far from zero) into the merged M2.
+    """
+    dims = tuple(dims)
+    count = math.prod(x.shape[d] for d in dims)
+    if x.numel() == 0:
+        shape = [1 if d in dims else s for d, s in enumerate(x.shape)]
+        zeros = torch.zeros(shape, dtype=torch.float64, device=x.device)
+        return count, zeros, zeros.clone()
+    mean = x.sum(dims, keepdim=True, dtype=torch.float64) / count
+    m2 = torch.var(x, dims, correction=0, keepdim=True).double() * count
+    return count, mean, m2
+
+
+def merge_moments(
+    count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, group: ProcessGroup
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Chan et al.'s merge of every rank's (count, mean, M2) along ``group``: one all-gather."""
+    size = mean.numel()
+    packed = torch.cat([count.reshape(1), mean.reshape(-1), m2.reshape(-1)])
+    parts = torch.distributed.get_world_size(group)
+    gathered = collectives.all_gather_along_dim(packed.unsqueeze(0), [1] * parts, 0, group)
+    counts, means, m2s = gathered[:, :1], gathered[:, 1 : 1 + size], gathered[:, 1 + size :]
+    total = counts.sum()
+    merged_mean = (counts * means).sum(0) / total.clamp(min=1)
+    merged_m2 = m2s.sum(0) + (counts * (means - merged_mean) ** 2).sum(0)
+    return total, merged_mean.view_as(mean), merged_m2.view_as(m2)
+
+
+def global_moments(
+    x: torch.Tensor, dims: Sequence[int], groups: Sequence[ProcessGroup], *, exact: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Global (count, mean, M2) in float64 over ``dims`` of the slabs ``x``, merged along each group in turn.
+
+    ``exact`` computes the local moments as ``torch.var`` does (for the var/std reductions).  One
+    all-gather of ``1 + 2 * stats`` values per group (a single one for the whole job).
+    """
+    count, mean, m2 = (exact_local_moments if exact else local_moments)(x, dims)
+    total = torch.tensor(float(count), dtype=torch.float64, device=x.device)
+    for group in groups:
+        total, mean, m2 = merge_moments(total, mean, m2, group)
+    return total, mean, m2
