@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 
+import cftime
 import netCDF4
 import numpy as np
 
-from .files import NETCDF_LOCK, FilePool, describe_time, find_time_variable, time_hours
+from .files import NETCDF_LOCK, FilePool
+from .times import TimeCoordinate, check_one_calendar, describe_time, find_time_coordinate, to_date
 
 Window = tuple[tuple[int, int], tuple[int, int]]
 
@@ -156,6 +159,8 @@ class Catalog:
         self.counts = ReadCounts()
         self._pool = FilePool()
         self._layouts: dict[tuple[str, str], _Layout] = {}
+        self.time_coordinates: dict[str, TimeCoordinate] = {}  # per timed file
+        self.calendar = "standard"
         self.seconds = np.zeros(0, dtype=np.int64)
         self._file_of: dict[str, np.ndarray] = {}
         self._local_of: dict[str, np.ndarray] = {}
@@ -177,16 +182,20 @@ class Catalog:
             for path in self.paths:
                 ds = self._pool.get(path)
                 available.update(_data_variables(ds))
-                tvar = find_time_variable(ds)
-                time_dim = tvar.dimensions[0] if tvar is not None else ("time" if "time" in ds.dimensions else None)
-                for name in self.variables:
-                    if name not in ds.variables:
-                        continue
-                    if self.timed and tvar is None:
-                        raise ValueError(
-                            f"{self.role} file {path} holds {name!r} but has no time coordinate (a 1-D "
-                            "variable 'time', or one with axis='T'); add one"
-                        )
+                wanted = [name for name in self.variables if name in ds.variables]
+                if not wanted:
+                    continue
+                time = find_time_coordinate(ds, wanted, path, decodable=self.timed)
+                time_dim = time.dim if time is not None else ("time" if "time" in ds.dimensions else None)
+                if self.timed and time is None:
+                    raise ValueError(
+                        f"{self.role} file {path} holds {wanted[0]!r} but has no time coordinate (a 1-D variable "
+                        "'time' or one with axis='T' and units, or a time variable named in the data variable's "
+                        "'coordinates' attribute); add one"
+                    )
+                if self.timed:
+                    self.time_coordinates[path] = time
+                for name in wanted:
                     holders[name].append(path)
                     self._layouts[(path, name)] = _layout(ds.variables[name], path, self.role, time_dim, level, self.timed)
         for name, files in holders.items():
@@ -221,10 +230,11 @@ class Catalog:
 
     def _index_times(self, holders: dict[str, list[str]]) -> None:
         """Build the global time axis (union of all files' times) and each variable's (file, local) map."""
+        self.calendar = check_one_calendar({path: t.calendar for path, t in self.time_coordinates.items()}, self.role)
         local_seconds: dict[str, np.ndarray] = {}
         with NETCDF_LOCK:
-            for path in {p for files in holders.values() for p in files}:
-                hours = time_hours(find_time_variable(self._pool.get(path)))
+            for path, time in self.time_coordinates.items():
+                hours = time.hours(self._pool.get(path))
                 local_seconds[path] = np.round(hours * 3600.0).astype(np.int64)
         self.seconds = np.unique(np.concatenate(list(local_seconds.values())))
         for name, files in holders.items():
@@ -259,8 +269,22 @@ class Catalog:
     def hours(self, t: int) -> float:
         return float(self.seconds[t]) / 3600.0
 
+    @property
+    def time_units(self) -> str:
+        """The time units of the file holding the first time (what outputs of these files use)."""
+        first = self.paths[int(self._file_of[self.variables[0]][0])]
+        return self.time_coordinates[first].units
+
+    def files_of(self, name: str) -> list[str]:
+        """The files holding variable ``name``, in the order given."""
+        return list(self._holders[name])
+
+    def date(self, t: int) -> datetime | cftime.datetime:
+        """The date of global time index ``t`` in the files' calendar (a cftime datetime)."""
+        return to_date(self.hours(t), self.calendar)
+
     def _when(self, t: int) -> str:
-        return f"time index {t} ({describe_time(self.hours(t))})"
+        return f"time index {t} ({describe_time(self.hours(t), self.calendar)})"
 
     @staticmethod
     def _short(paths: Sequence[str]) -> str:

@@ -1,4 +1,4 @@
-"""Finding netCDF files and reading their time coordinates, with one lock around the netCDF library.
+"""Finding netCDF files and keeping them open, with one lock around the netCDF library.
 
 HDF5 (under netCDF4) is usually built without thread safety, and the loader reads in a background
 thread while the main thread may open other datasets, so every call into netCDF4 made by this
@@ -13,10 +13,8 @@ import threading
 from collections.abc import Sequence
 
 import netCDF4
-import numpy as np
 
 NETCDF_LOCK = threading.RLock()
-EPOCH_UNITS = "hours since 1970-01-01 00:00:00"
 
 
 def resolve_paths(value: str | os.PathLike | Sequence[str | os.PathLike], what: str) -> list[str]:
@@ -61,29 +59,3 @@ class FilePool:
             for handle in self._handles.values():
                 handle.close()
             self._handles.clear()
-
-
-def find_time_variable(ds: netCDF4.Dataset) -> netCDF4.Variable | None:
-    """The CF time coordinate: a 1-D variable named after its dim, called 'time' or marked axis='T'."""
-    for name, var in ds.variables.items():
-        if var.dimensions != (name,):
-            continue
-        if name == "time" or getattr(var, "axis", "") == "T" or getattr(var, "standard_name", "") == "time":
-            return var
-    return None
-
-
-def time_hours(var: netCDF4.Variable) -> np.ndarray:
-    """Time values as float hours since 1970, so files with different reference dates compare equal."""
-    values = np.asarray(var[:], dtype=np.float64)
-    units = getattr(var, "units", "")
-    if " since " not in units:
-        return values
-    calendar = getattr(var, "calendar", "standard")
-    dates = netCDF4.num2date(values, units, calendar=calendar)
-    return np.asarray(netCDF4.date2num(dates, EPOCH_UNITS, calendar=calendar), dtype=np.float64)
-
-
-def describe_time(hours: float) -> str:
-    """A readable date for error messages."""
-    return str(netCDF4.num2date(hours, EPOCH_UNITS))

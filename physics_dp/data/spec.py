@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .catalog import Catalog, Grid
-from .files import describe_time, resolve_paths
+from .files import resolve_paths
+from .times import check_one_calendar, describe_time
 
 SPLITS = ("train", "valid")
 
@@ -127,14 +128,15 @@ def split_range(spec: DataSpec, split: str, n_times: int) -> tuple[int, int]:
 
 
 def match_times(state: Catalog, background: Catalog, times: range) -> np.ndarray:
-    """Background time index of each state time index in `times` (equal time values)."""
+    """Background time index of each state time index in `times` (equal time values in one calendar)."""
+    check_one_calendar({"state files": state.calendar, "background files": background.calendar}, "state and background")
     where = np.searchsorted(background.seconds, state.seconds[times.start : times.stop])
     where = np.minimum(where, max(background.n_times - 1, 0))
     found = background.seconds[where] == state.seconds[times.start : times.stop]
     if not found.all():
         t = times.start + int(np.flatnonzero(~found)[0])
         raise ValueError(
-            f"the background files have no data at {describe_time(state.hours(t))} (state time index {t}), "
+            f"the background files have no data at {describe_time(state.hours(t), state.calendar)} (state time index {t}), "
             f"needed as background at t + lead_time; add background files covering the state times"
         )
     return where
