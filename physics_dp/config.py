@@ -88,9 +88,10 @@ class DataConfig:
     source: str = "synthetic"  # synthetic | netcdf
     root: Optional[str] = None  # synthetic cache directory (default: ~/.cache/physics_dp/synthetic-...)
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
-    state_files: Optional[str] = None  # a path or glob (netcdf source)
+    # A path, a glob, or a list of either (netcdf source); Any because OmegaConf has no str | list type.
+    state_files: Any = None
     state_variables: list[str] = field(default_factory=list)
-    background_files: Optional[str] = None
+    background_files: Any = None  # like state_files
     background_variables: list[str] = field(default_factory=list)
     invariant_file: Optional[str] = None
     invariant_variables: list[str] = field(default_factory=list)
@@ -248,8 +249,14 @@ def validate(cfg: DictConfig | Any) -> None:
         value = OmegaConf.select(cfg, key)
         if value is None or value < 1:
             raise ValueError(f"config key {key} must be a positive integer, got {value!r}")
+    for key in ("data.state_files", "data.background_files"):
+        value = OmegaConf.select(cfg, key)
+        if value is not None and not isinstance(value, str) and not (
+            OmegaConf.is_list(value) and all(isinstance(item, str) for item in value)
+        ):
+            raise ValueError(f"config key {key} must be a path, a glob or a list of them, got {value!r}")
     if cfg.data.source == "netcdf" and (not cfg.data.state_files or not cfg.data.state_variables):
-        raise ValueError("data.source=netcdf needs data.state_files (a path or glob) and data.state_variables")
+        raise ValueError("data.source=netcdf needs data.state_files (a path, glob or list of them) and data.state_variables")
     for key in ("data.train_times", "data.valid_times"):
         value = OmegaConf.select(cfg, key)
         if value is not None and (len(value) != 2 or value[0] >= value[1]):

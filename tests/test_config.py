@@ -66,3 +66,17 @@ def test_mistyped_keys_and_wrong_types_fail_at_composition(override, message):
 def test_bad_values_are_named(override, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
         validate(compose_config([override]))
+
+
+def test_file_keys_take_a_path_a_glob_or_a_list(tmp_path):
+    from physics_dp.training.data_setup import data_spec
+
+    files = [str(tmp_path / "a.nc"), str(tmp_path / "b.nc")]
+    cfg = compose_config(["data=netcdf", f"data.state_files=[{files[0]},{files[1]}]", "data.state_variables=[t]",
+                          f"data.background_files={tmp_path}/bg_*.nc", "data.background_variables=[t]"])
+    validate(cfg)
+    spec = data_spec(cfg.data)
+    assert spec.state_files == files and spec.background_files == f"{tmp_path}/bg_*.nc"
+    cfg.data.state_files = [1, 2]
+    with pytest.raises(ValueError, match=r"data.state_files must be a path, a glob or a list of them"):
+        validate(cfg)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,13 +28,18 @@ def default_cache_dir() -> str:
     return os.environ.get("PHYSICS_DP_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "physics_dp"))
 
 
+def _file_list(value: Any) -> str | list[str] | None:
+    """A path or glob as given; a list (from the command line or YAML) as a plain list of them."""
+    return value if value is None or isinstance(value, str) else [str(item) for item in value]
+
+
 def data_spec(cfg: DataConfig) -> DataSpec:
     """The netCDF files to read: the user's, or the built-in synthetic set (written once, shared
     by every process through a lock file)."""
     files = dict(
-        state_files=cfg.state_files,
+        state_files=_file_list(cfg.state_files),
         state_variables=list(cfg.state_variables),
-        background_files=cfg.background_files,
+        background_files=_file_list(cfg.background_files),
         background_variables=list(cfg.background_variables),
         invariant_file=cfg.invariant_file,
         invariant_variables=list(cfg.invariant_variables),
