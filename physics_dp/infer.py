@@ -136,10 +136,10 @@ def _forecast(
     if writes:
         try:
             writer = ForecastWriter(
-                forecast, names, reference_time=sources.time(initial), units=sources.units, long_names=sources.long_names,
-                standard_names=sources.standard_names, ensemble_size=ensemble_size, title="physics_dp forecast",
+                forecast, names, reference_time=sources.time(initial), units=sources.units,
+                variable_attrs=sources.variable_attrs, grid=sources.grid, calendar=sources.calendar,
+                time_units=sources.time_units, ensemble_size=ensemble_size, title="physics_dp forecast",
                 attrs={"source_run": str(Path(options.run_dir).absolute()), "members": options.members, "seed": options.seed},
-                **sources.grid,
             )
         except Exception as error:  # the other ranks must hear of it, not wait in the rollout's collectives
             failure = error
@@ -153,6 +153,7 @@ def _forecast(
             ensemble, truth, mask = ensemble.full_tensor().cpu(), truth.full_tensor().cpu(), step.mask.full_tensor().cpu()
             if writer is None:
                 continue
+            ensemble = torch.where(mask, ensemble, torch.nan)  # the source's missing points stay missing (_FillValue)
             fields = {name: ensemble[:, c] if ensemble_size else ensemble[0, c] for c, name in enumerate(names)}
             writer.write(valid_time, fields)
             if options.figures:

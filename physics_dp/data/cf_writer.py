@@ -10,6 +10,12 @@ The layout follows CF-1.8: coordinate variables for every dimension, a ``time`` 
 ``ensemble`` dimension (standard name ``realization``), per-variable ``units``/``long_name``/``_FillValue``, and
 the global ``Conventions``/``title``/``history`` attributes. NaNs are stored as the fill value,
 so CF readers (xarray) decode them back to NaN.
+
+A forecast of existing files should look like them: ``HorizontalGrid`` carries the source's own
+coordinate variables (names, attributes, 2-D latitude/longitude of curvilinear grids, bounds,
+scalar coordinates such as a singleton level), written as given instead of the y/x or lat/lon the
+writer would make up; times may be in the source's units and calendar (cftime dates for
+non-standard calendars).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import cftime
 import netCDF4
 import numpy as np
 import torch
@@ -29,20 +36,36 @@ import torch
 from physics_dp.shard_tensor import ShardTensor
 
 ArrayLike = np.ndarray | torch.Tensor
-TimeLike = datetime | np.datetime64 | float | int
+DateLike = datetime | np.datetime64 | cftime.datetime
+TimeLike = DateLike | float | int
 
 CONVENTIONS = "CF-1.8"
 FILL_VALUE = np.float32(netCDF4.default_fillvals["f4"])
 
 
 @dataclass(frozen=True)
-class _Coordinate:
-    """One coordinate variable: its name, dimensions, values and CF attributes."""
+class Coordinate:
+    """One coordinate-like variable: its name, dimensions, values and attributes (dims () for a scalar)."""
 
     name: str
     dims: tuple[str, ...]
     values: np.ndarray
-    attrs: dict[str, str]
+    attrs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class HorizontalGrid:
+    """The horizontal dims (y, x) with their sizes, and the variables that describe them.
+
+    ``coordinates`` are written as given (coordinate variables, 2-D auxiliary coordinates, bounds,
+    scalar coordinates, a grid mapping); ``auxiliary`` names those that every field lists in its
+    ``coordinates`` attribute.
+    """
+
+    dims: tuple[str, str]
+    shape: tuple[int, int]
+    coordinates: tuple[Coordinate, ...] = ()
+    auxiliary: tuple[str, ...] = ()
 
 
 def _to_numpy(array: ArrayLike, name: str) -> np.ndarray:
@@ -53,8 +76,10 @@ def _to_numpy(array: ArrayLike, name: str) -> np.ndarray:
     return np.asarray(array)
 
 
-def _as_datetime(time: datetime | np.datetime64) -> datetime:
-    """A naive UTC datetime (netCDF time units carry no zone)."""
+def _as_datetime(time: DateLike) -> datetime | cftime.datetime:
+    """A naive UTC datetime (netCDF time units carry no zone); cftime dates pass as they are."""
+    if isinstance(time, cftime.datetime):
+        return time
     if isinstance(time, np.datetime64):
         time = time.astype("datetime64[us]").item()
     if time.tzinfo is not None:
@@ -64,8 +89,8 @@ def _as_datetime(time: datetime | np.datetime64) -> datetime:
 
 def _grid(
     y: ArrayLike | None, x: ArrayLike | None, lat: ArrayLike | None, lon: ArrayLike | None, xy_units: str
-) -> tuple[tuple[str, str], list[_Coordinate]]:
-    """The horizontal dimension names and coordinates: 1-D y/x (projected, optional 2-D lat/lon) or 1-D lat/lon."""
+) -> HorizontalGrid:
+    """The grid made from 1-D y/x (projected, optional 2-D lat/lon) or 1-D lat/lon."""
     geographic = {
         "lat": {"standard_name": "latitude", "long_name": "latitude", "units": "degrees_north"},
         "lon": {"standard_name": "longitude", "long_name": "longitude", "units": "degrees_east"},
@@ -76,18 +101,19 @@ def _grid(
         lat, lon = _to_numpy(lat, "lat").astype(np.float64), _to_numpy(lon, "lon").astype(np.float64)
         if lat.ndim != 1 or lon.ndim != 1:
             raise ValueError("without y and x, lat and lon must be 1-D (a regular grid); pass y/x for a 2-D lat/lon")
-        return ("lat", "lon"), [
-            _Coordinate("lat", ("lat",), lat, {**geographic["lat"], "axis": "Y"}),
-            _Coordinate("lon", ("lon",), lon, {**geographic["lon"], "axis": "X"}),
-        ]
+        coordinates = (
+            Coordinate("lat", ("lat",), lat, {**geographic["lat"], "axis": "Y"}),
+            Coordinate("lon", ("lon",), lon, {**geographic["lon"], "axis": "X"}),
+        )
+        return HorizontalGrid(("lat", "lon"), (lat.size, lon.size), coordinates)
     if y is None or x is None:
         raise ValueError("give both y and x")
     y, x = _to_numpy(y, "y").astype(np.float64), _to_numpy(x, "x").astype(np.float64)
     if y.ndim != 1 or x.ndim != 1:
         raise ValueError(f"y and x must be 1-D, got shapes {y.shape} and {x.shape}")
     coordinates = [
-        _Coordinate("y", ("y",), y, {"standard_name": "projection_y_coordinate", "units": xy_units, "axis": "Y"}),
-        _Coordinate("x", ("x",), x, {"standard_name": "projection_x_coordinate", "units": xy_units, "axis": "X"}),
+        Coordinate("y", ("y",), y, {"standard_name": "projection_y_coordinate", "units": xy_units, "axis": "Y"}),
+        Coordinate("x", ("x",), x, {"standard_name": "projection_x_coordinate", "units": xy_units, "axis": "X"}),
     ]
     if (lat is None) != (lon is None):
         raise ValueError("give both lat and lon, or neither")
@@ -97,8 +123,9 @@ def _grid(
                 raise ValueError(
                     f"with y and x, {name} must be 2-D (len(y), len(x)) = {(y.size, x.size)}, got {values.shape}"
                 )
-            coordinates.append(_Coordinate(name, ("y", "x"), values.astype(np.float64), geographic[name]))
-    return ("y", "x"), coordinates
+            coordinates.append(Coordinate(name, ("y", "x"), values.astype(np.float64), geographic[name]))
+    auxiliary = ("lat", "lon") if lat is not None else ()
+    return HorizontalGrid(("y", "x"), (y.size, x.size), tuple(coordinates), auxiliary)
 
 
 class ForecastWriter:
@@ -106,10 +133,12 @@ class ForecastWriter:
 
     ``variables`` are the output fields, each (H, W) per step, or (E, H, W) with
     ``ensemble_size=E``. ``units`` is required for every variable ("1" if dimensionless);
-    ``long_names`` default to the variable names. Times are datetimes or hours since
-    ``reference_time`` (the forecast initialisation time, also stored as
-    ``forecast_reference_time``) and must increase. Use as a context manager: on an exception the
-    partial file is removed.
+    ``long_names`` default to the variable names; ``variable_attrs`` adds further attributes per
+    variable (its ``coordinates`` names are appended to the grid's). The grid is ``grid`` (a
+    source's own coordinates) or made from ``y``/``x``/``lat``/``lon``. Times are dates (datetime,
+    numpy or cftime) or numbers in ``time_units`` (default hours since ``reference_time``, the
+    forecast initialisation time, also stored as ``forecast_reference_time``) and must increase.
+    Use as a context manager: on an exception the partial file is removed.
     """
 
     def __init__(
@@ -117,18 +146,21 @@ class ForecastWriter:
         path: str | Path,
         variables: Sequence[str],
         *,
-        reference_time: datetime | np.datetime64,
+        reference_time: DateLike,
         units: Mapping[str, str],
         y: ArrayLike | None = None,
         x: ArrayLike | None = None,
         lat: ArrayLike | None = None,
         lon: ArrayLike | None = None,
+        grid: HorizontalGrid | None = None,
         long_names: Mapping[str, str] | None = None,
         standard_names: Mapping[str, str] | None = None,
+        variable_attrs: Mapping[str, Mapping[str, Any]] | None = None,
         ensemble_size: int | None = None,
         attrs: Mapping[str, Any] | None = None,
         title: str = "physics_dp forecast",
         calendar: str = "proleptic_gregorian",
+        time_units: str | None = None,
         xy_units: str = "m",
         compress: bool = True,
     ) -> None:
@@ -137,19 +169,27 @@ class ForecastWriter:
             raise ValueError(f"no units for {missing}: pass units={{name: 'K', ...}} ('1' for dimensionless)")
         if ensemble_size is not None and ensemble_size < 1:
             raise ValueError(f"ensemble_size must be at least 1, got {ensemble_size}")
-        dims, coordinates = _grid(y, x, lat, lon, xy_units)
+        if grid is not None and any(v is not None for v in (y, x, lat, lon)):
+            raise ValueError("give either grid= or y/x/lat/lon, not both")
+        grid = grid if grid is not None else _grid(y, x, lat, lon, xy_units)
         self.path = Path(path)
         self.variables = tuple(variables)
         self.ensemble_size = ensemble_size
         self.reference_time = _as_datetime(reference_time)
-        self.time_units = f"hours since {self.reference_time:%Y-%m-%d %H:%M:%S}"
+        self.time_units = time_units or f"hours since {self.reference_time.strftime('%Y-%m-%d %H:%M:%S')}"
         self.calendar = calendar
         self._partial = self.path.with_name(self.path.name + ".partial")
-        self._last_hours: float | None = None
+        self._last_time: float | None = None
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._dataset = netCDF4.Dataset(self._partial, "w", format="NETCDF4")
         try:
-            self._field_shape = self._define(dims, coordinates, units, long_names or {}, standard_names or {}, compress)
+            metadata = {name: {"long_name": name, **(variable_attrs or {}).get(name, {})} for name in self.variables}
+            for name in self.variables:
+                metadata[name]["units"] = units[name]
+                for key, given in (("long_name", long_names), ("standard_name", standard_names)):
+                    if name in (given or {}):
+                        metadata[name][key] = given[name]
+            self._field_shape = self._define(grid, metadata, compress)
             created = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
             self._dataset.setncatts(
                 {
@@ -163,15 +203,25 @@ class ForecastWriter:
             self.abort()
             raise
 
-    def _define(
-        self,
-        dims: tuple[str, str],
-        coordinates: list[_Coordinate],
-        units: Mapping[str, str],
-        long_names: Mapping[str, str],
-        standard_names: Mapping[str, str],
-        compress: bool,
-    ) -> tuple[int, ...]:
+    def _define_grid(self, grid: HorizontalGrid) -> None:
+        """The grid's dims (with any extra dims its coordinates use, such as bounds' vertices) and variables."""
+        ds = self._dataset
+        for dim, size in zip(grid.dims, grid.shape):
+            ds.createDimension(dim, size)
+        for coordinate in grid.coordinates:
+            for dim, size in zip(coordinate.dims, coordinate.values.shape):
+                if dim not in ds.dimensions:
+                    ds.createDimension(dim, size)
+                elif ds.dimensions[dim].size != size:
+                    raise ValueError(
+                        f"coordinate {coordinate.name!r} has {size} points along {dim!r}, which has {ds.dimensions[dim].size}"
+                    )
+        for coordinate in grid.coordinates:
+            variable = ds.createVariable(coordinate.name, coordinate.values.dtype, coordinate.dims)
+            variable.setncatts(coordinate.attrs)
+            variable[...] = coordinate.values
+
+    def _define(self, grid: HorizontalGrid, metadata: Mapping[str, Mapping[str, Any]], compress: bool) -> tuple[int, ...]:
         """Create dimensions, coordinate and data variables; return one step's field shape."""
         ds = self._dataset
         ds.createDimension("time", None)
@@ -182,7 +232,7 @@ class ForecastWriter:
         reference.setncatts(
             {"standard_name": "forecast_reference_time", "long_name": "forecast initialisation time", **time_attrs}
         )
-        reference.assignValue(0.0)
+        reference.assignValue(self._time_value(self.reference_time))
         leading: tuple[str, ...] = ("time",)
         if self.ensemble_size is not None:
             ds.createDimension("ensemble", self.ensemble_size)
@@ -190,29 +240,21 @@ class ForecastWriter:
             member.setncatts({"standard_name": "realization", "long_name": "ensemble member", "units": "1"})
             member[:] = np.arange(self.ensemble_size, dtype=np.int32)
             leading += ("ensemble",)
-        for coordinate in coordinates:
-            if coordinate.dims == (coordinate.name,):
-                ds.createDimension(coordinate.name, coordinate.values.size)
-        for coordinate in coordinates:
-            variable = ds.createVariable(coordinate.name, "f8", coordinate.dims)
-            variable.setncatts(coordinate.attrs)
-            variable[:] = coordinate.values
-        auxiliary = " ".join(c.name for c in coordinates if c.dims != (c.name,))
-        field_shape = tuple(ds.dimensions[d].size for d in leading[1:] + dims)
+        self._define_grid(grid)
+        field_shape = tuple(ds.dimensions[d].size for d in leading[1:] + grid.dims)
         for name in self.variables:
             variable = ds.createVariable(
                 name,
                 "f4",
-                leading + dims,
+                leading + grid.dims,
                 fill_value=FILL_VALUE,
                 zlib=compress,
                 complevel=1,
                 chunksizes=(1,) * len(leading) + field_shape[-2:],
             )
-            attrs = {"units": units[name], "long_name": long_names.get(name, name)}
-            if name in standard_names:
-                attrs["standard_name"] = standard_names[name]
-            attrs["coordinates"] = " ".join(filter(None, ["forecast_reference_time", auxiliary]))
+            attrs = dict(metadata[name])
+            listed = ["forecast_reference_time", *grid.auxiliary, *str(attrs.get("coordinates", "")).split()]
+            attrs["coordinates"] = " ".join(dict.fromkeys(listed))
             variable.setncatts(attrs)
         return field_shape
 
@@ -221,8 +263,8 @@ class ForecastWriter:
         """Time steps written so far."""
         return len(self._dataset.dimensions["time"])
 
-    def _hours(self, time: TimeLike) -> float:
-        if isinstance(time, (datetime, np.datetime64)):
+    def _time_value(self, time: TimeLike) -> float:
+        if isinstance(time, (datetime, np.datetime64, cftime.datetime)):
             return float(netCDF4.date2num(_as_datetime(time), self.time_units, self.calendar))
         return float(time)
 
@@ -230,9 +272,9 @@ class ForecastWriter:
         """Append one time step: ``fields[name]`` is (H, W), or (E, H, W) for an ensemble, for every variable."""
         if set(fields) != set(self.variables):
             raise ValueError(f"write got fields {sorted(fields)} but the file declares {sorted(self.variables)}")
-        hours = self._hours(time)
-        if self._last_hours is not None and hours <= self._last_hours:
-            raise ValueError(f"times must increase: {hours} h after {self._last_hours} h (since {self.reference_time})")
+        value = self._time_value(time)
+        if self._last_time is not None and value <= self._last_time:
+            raise ValueError(f"times must increase: {value} after {self._last_time} ({self.time_units})")
         arrays = {}
         for name in self.variables:
             values = _to_numpy(fields[name], name)
@@ -242,8 +284,8 @@ class ForecastWriter:
         index = self.steps
         for name, values in arrays.items():
             self._dataset[name][index] = values
-        self._dataset["time"][index] = hours
-        self._last_hours = hours
+        self._dataset["time"][index] = value
+        self._last_time = value
 
     def close(self) -> Path:
         """Finish the file and move it to its final name; returns that path."""
@@ -282,14 +324,14 @@ def write_forecast_netcdf(
     long_names: Mapping[str, str] | None = None,
     attrs: Mapping[str, Any] | None = None,
     ensemble: bool = False,
-    reference_time: datetime | np.datetime64 | None = None,
+    reference_time: DateLike | None = None,
     **writer_options: Any,
 ) -> Path:
     """Write whole forecasts ``data[name]`` of shape (T, H, W), or (T, E, H, W) with ``ensemble=True``.
 
     ``reference_time`` defaults to the first time when times are datetimes; with times in hours it
-    is required. Other options (``standard_names``, ``title``, ``calendar``, ``xy_units``,
-    ``compress``) go to ``ForecastWriter``. Returns the path written.
+    is required. Other options (``grid``, ``standard_names``, ``variable_attrs``, ``title``,
+    ``calendar``, ``time_units``, ``xy_units``, ``compress``) go to ``ForecastWriter``. Returns the path written.
     """
     if not data:
         raise ValueError("write_forecast_netcdf needs at least one variable in data")
@@ -303,7 +345,7 @@ def write_forecast_netcdf(
     if first[0] != len(times):
         raise ValueError(f"data has {first[0]} time steps but {len(times)} times were given")
     if reference_time is None:
-        if not times or not isinstance(times[0], (datetime, np.datetime64)):
+        if not times or not isinstance(times[0], (datetime, np.datetime64, cftime.datetime)):
             raise ValueError("times are in hours: pass reference_time=datetime(...) (the forecast initialisation time)")
         reference_time = times[0]
     with ForecastWriter(

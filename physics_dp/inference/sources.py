@@ -1,85 +1,136 @@
 """What the output file copies from the input files: variable attributes, the grid and the times.
 
 Why read the files again: the dataset only keeps numbers, but a forecast is only usable when it
-says what it holds (units, long names) and where and when (coordinates, valid times).
+says what it holds (units, long names, cell methods) and where and when, in the source's own terms:
+its coordinate names and attributes, 2-D latitude/longitude of curvilinear grids, bounds, the
+level a variable was taken at (a scalar coordinate), and its time units and calendar.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
+from typing import Any
 
+import cftime
 import netCDF4
 import numpy as np
 
 from ..data import DataSpec
-from ..data.files import resolve_paths
+from ..data.catalog import Catalog
+from ..data.cf_writer import Coordinate, HorizontalGrid
 from ..data.spec import open_catalogs
+from ..data.times import to_date
 
 __all__ = ["SourceInfo", "describe_sources"]
 
-_LAT_NAMES = ("lat", "latitude")
-_LON_NAMES = ("lon", "longitude")
-_EPOCH = datetime(1970, 1, 1)
+_LATITUDE = ("lat", "latitude", "nav_lat")
+_LONGITUDE = ("lon", "longitude", "nav_lon")
+# Attributes that describe how the source stored its numbers, not what they mean.
+_STORAGE_ATTRS = {
+    "_FillValue", "missing_value", "scale_factor", "add_offset", "valid_min", "valid_max", "valid_range",
+    "actual_range", "coordinates", "_Unsigned", "chunksizes",
+}
 
 
 @dataclass
 class SourceInfo:
-    """Per-variable attributes, the state grid as ``ForecastWriter`` grid arguments, and the times."""
+    """Per-variable attributes, the state grid, and the times with their units and calendar."""
 
-    units: dict[str, str]
-    long_names: dict[str, str]
-    standard_names: dict[str, str]
-    shape: tuple[int, int]  # (H, W) of the state grid
-    grid: dict[str, np.ndarray | str] = field(default_factory=dict)
-    seconds: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # since 1970, per time index
+    variable_attrs: dict[str, dict[str, Any]]
+    grid: HorizontalGrid
+    seconds: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # since 1970 in `calendar`
+    calendar: str = "standard"
+    time_units: str = "hours since 1970-01-01 00:00:00"
 
-    def time(self, index: int) -> datetime:
-        return _EPOCH + timedelta(seconds=int(self.seconds[index]))
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(H, W) of the state grid."""
+        return self.grid.shape
 
+    @property
+    def units(self) -> dict[str, str]:
+        return {name: str(attrs.get("units", "unknown")) for name, attrs in self.variable_attrs.items()}
 
-def _variable_attrs(paths: list[str], names: list[str]) -> tuple[dict[str, str], dict[str, str], dict[str, str], str]:
-    """units, long_name and standard_name of each variable (first file holding it), and the first such file."""
-    holder = ""
-    units: dict[str, str] = {}
-    long_names: dict[str, str] = {}
-    standard_names: dict[str, str] = {}
-    for path in paths:
-        with netCDF4.Dataset(path) as ds:
-            for name in names:
-                if name in ds.variables and name not in units:
-                    holder = holder or path
-                    var = ds.variables[name]
-                    units[name] = str(getattr(var, "units", "unknown"))
-                    long_names[name] = str(getattr(var, "long_name", name))
-                    if hasattr(var, "standard_name"):
-                        standard_names[name] = str(var.standard_name)
-        if len(units) == len(names):
-            break
-    return units, long_names, standard_names, holder
+    def time(self, index: int) -> datetime | cftime.datetime:
+        return to_date(self.seconds[index] / 3600.0, self.calendar)
 
 
-def _grid_arguments(path: str, dims: tuple[str, str], y: np.ndarray | None, x: np.ndarray | None, shape: tuple[int, int]) -> dict:
-    """1-D lat/lon for a regular grid named so, else y/x (indices when the file has none) with any 2-D lat/lon."""
-    with netCDF4.Dataset(path) as ds:
-        if dims[0].lower() in _LAT_NAMES and dims[1].lower() in _LON_NAMES and y is not None and x is not None:
-            return {"lat": y, "lon": x}
-        units = {d: str(getattr(ds.variables[d], "units", "1")) if d in ds.variables else "1" for d in dims}
-        grid: dict = {
-            "y": y if y is not None else np.arange(shape[0], dtype=np.float64),
-            "x": x if x is not None else np.arange(shape[1], dtype=np.float64),
-            "xy_units": units[dims[1]],
-        }
-        for key, names in (("lat", _LAT_NAMES), ("lon", _LON_NAMES)):
-            for name in names:
-                var = ds.variables.get(name)
-                if var is not None and var.dimensions == dims:
-                    grid[key] = np.asarray(var[:], dtype=np.float64)
-                    break
-        if ("lat" in grid) != ("lon" in grid):
-            grid.pop("lat", None)
-            grid.pop("lon", None)
-        return grid
+def _attrs(var: netCDF4.Variable) -> dict[str, Any]:
+    return {key: var.getncattr(key) for key in var.ncattrs() if key not in _STORAGE_ATTRS}
+
+
+def _copy(var: netCDF4.Variable, into: dict[str, Coordinate], ds: netCDF4.Dataset) -> None:
+    """``var`` as written in the source, and its bounds variable if it names one."""
+    into.setdefault(var.name, Coordinate(var.name, var.dimensions, np.ma.getdata(var[...]), _attrs(var)))
+    bounds = ds.variables.get(str(getattr(var, "bounds", "")))
+    if bounds is not None:
+        into.setdefault(bounds.name, Coordinate(bounds.name, bounds.dimensions, np.ma.getdata(bounds[...]), _attrs(bounds)))
+
+
+def _is_geographic(name: str, var: netCDF4.Variable) -> bool:
+    return name.lower() in _LATITUDE + _LONGITUDE or getattr(var, "standard_name", "") in ("latitude", "longitude")
+
+
+def _horizontal(ds: netCDF4.Dataset, names: Sequence[str], dims: tuple[str, str], shape: tuple[int, int]) -> HorizontalGrid:
+    """The coordinate variables of the (y, x) dims, the auxiliary coordinates on them (named by the
+    fields' ``coordinates`` attribute, or 2-D latitude/longitude), their bounds and a grid mapping."""
+    coordinates: dict[str, Coordinate] = {}
+    auxiliary: list[str] = []
+    for dim in dims:
+        var = ds.variables.get(dim)
+        if var is not None and var.dimensions == (dim,):
+            _copy(var, coordinates, ds)
+    listed = [c for name in names if name in ds.variables for c in str(getattr(ds.variables[name], "coordinates", "")).split()]
+    for name, var in ds.variables.items():
+        on_grid = bool(var.dimensions) and set(var.dimensions) <= set(dims) and var.dimensions != (name,)
+        if on_grid and name not in names and (name in listed or _is_geographic(name, var)):
+            _copy(var, coordinates, ds)
+            auxiliary.append(name)
+    for name in names:
+        mapping = ds.variables.get(str(getattr(ds.variables.get(name), "grid_mapping", "")))
+        if mapping is not None:
+            _copy(mapping, coordinates, ds)
+    return HorizontalGrid(dims, shape, tuple(coordinates.values()), tuple(auxiliary))
+
+
+def _scalar_coordinates(
+    ds: netCDF4.Dataset, var: netCDF4.Variable, keep: tuple[str, ...], level: int | None
+) -> list[Coordinate]:
+    """The level a field was taken at (its singleton or chosen index of each other dim) and the
+    scalar coordinates it lists, as scalar coordinate variables."""
+    found = []
+    for dim, size in zip(var.dimensions, var.shape):
+        coordinate = ds.variables.get(dim)
+        if dim in keep or coordinate is None or coordinate.dimensions != (dim,):
+            continue
+        index = 0 if size == 1 else level
+        attrs = {k: v for k, v in _attrs(coordinate).items() if k != "bounds"}  # the bounds of every level do not fit
+        found.append(Coordinate(dim, (), np.ma.getdata(coordinate[index]), attrs))
+    for name in str(getattr(var, "coordinates", "")).split():
+        scalar = ds.variables.get(name)
+        if scalar is not None and scalar.dimensions == ():
+            found.append(Coordinate(name, (), np.ma.getdata(scalar[...]), _attrs(scalar)))
+    return found
+
+
+def _variables(
+    state: Catalog, grid: HorizontalGrid, time_dim: str, level: int | None
+) -> tuple[dict[str, dict[str, Any]], list[Coordinate]]:
+    """Each state variable's attributes (from the first file holding it) and its scalar coordinates."""
+    attrs: dict[str, dict[str, Any]] = {}
+    scalars: dict[str, Coordinate] = {}
+    for name in state.variables:
+        with netCDF4.Dataset(state.files_of(name)[0]) as ds:
+            var = ds.variables[name]
+            found = _scalar_coordinates(ds, var, (*grid.dims, time_dim), level)
+            attrs[name] = _attrs(var)
+            if found:
+                attrs[name]["coordinates"] = " ".join(c.name for c in found)
+            for coordinate in found:
+                scalars.setdefault(coordinate.name, coordinate)
+    return attrs, list(scalars.values())
 
 
 def describe_sources(spec: DataSpec) -> SourceInfo:
@@ -87,9 +138,12 @@ def describe_sources(spec: DataSpec) -> SourceInfo:
     catalogs = open_catalogs(spec)
     try:
         state = catalogs.state
-        paths = resolve_paths(spec.state_files, "state_files")
-        units, long_names, standard_names, holder = _variable_attrs(paths, list(spec.state_variables))
-        grid = _grid_arguments(holder, state.grid.dims, state.grid.y, state.grid.x, state.grid.shape)
-        return SourceInfo(units, long_names, standard_names, state.grid.shape, grid, state.seconds.copy())
+        first = state.files_of(state.variables[0])[0]
+        with netCDF4.Dataset(first) as ds:
+            grid = _horizontal(ds, state.variables, state.grid.dims, state.grid.shape)
+        time_dim = state.time_coordinates[first].dim
+        attrs, scalars = _variables(state, grid, time_dim, spec.level)
+        grid = HorizontalGrid(grid.dims, grid.shape, grid.coordinates + tuple(scalars), grid.auxiliary)
+        return SourceInfo(attrs, grid, state.seconds.copy(), state.calendar, state.time_units)
     finally:
         catalogs.close()
