@@ -6,6 +6,11 @@ nothing, so training code calls it unconditionally.
 
 Why a JSON-lines file too: tests, scripts and users without a wandb account read
 ``run_dir/metrics.jsonl`` directly (one ``{"step": ..., name: value, ...}`` object per ``log``).
+
+Why wandb gets no ``step=``: a StormCast run trains its stages one after the other, each counting
+its steps from 1, and wandb drops every row logged at a step below the run's current one. So the
+run's own step only increases (one per ``log``), and each metric family ``PREFIX/...`` (a stage)
+is plotted against its own step metric ``PREFIX/step`` (``define_metric``), which every row carries.
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ class RunLogger:
         self.mode = mode
         self._metrics_file: IO[str] | None = None
         self._run: Any = None
+        self._step_metrics: set[str] = set()
         if rank != 0:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -112,8 +118,21 @@ class RunLogger:
             return
         values = {key: _scalar_value(key, value) for key, value in metrics.items()}
         self._metrics_file.write(json.dumps({"step": step, **values}) + "\n")
+        self._log_wandb(values, step)
+
+    def _step_metric(self, key: str) -> str:
+        """The step metric of ``key``: ``PREFIX/step`` for the family ``PREFIX/...``, else ``step``; defined once."""
+        prefix, slash, _ = key.partition("/")
+        metric, pattern = (f"{prefix}/step", f"{prefix}/*") if slash else ("step", key)
+        if pattern not in self._step_metrics:
+            self._step_metrics.add(pattern)
+            self._run.define_metric(metric)
+            self._run.define_metric(pattern, step_metric=metric)
+        return metric
+
+    def _log_wandb(self, values: Mapping[str, Any], step: int) -> None:
         if self._run is not None:
-            self._run.log(values, step=step)
+            self._run.log({**values, **{self._step_metric(key): step for key in values}})
 
     def log_image(self, key: str, png_path: str | Path, step: int) -> None:
         """Attach an image file (e.g. from ``plots.plot_prediction``) to the wandb run at ``step``."""
@@ -125,7 +144,7 @@ class RunLogger:
         if self._run is not None:
             import wandb
 
-            self._run.log({key: wandb.Image(str(png_path))}, step=step)
+            self._log_wandb({key: wandb.Image(str(png_path))}, step)
 
     def progress(self, total_steps: int, initial: int = 0) -> tqdm:
         """A progress bar shown on rank 0 only (disabled elsewhere), refreshed at most once a second."""

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.training.wandb_records import history_rows
+
 SMALL = [
     "data.synthetic.n_times=12",
     "data.synthetic.height=16",
@@ -31,7 +33,7 @@ def _torchrun(n: int) -> list[str]:
 def test_torchrun_stormcast_two_stages(tmp_path):
     proc = _run(
         _torchrun(2) + ["+experiment=stormcast", "parallel.domain_size=2", "training.max_steps=4", "training.checkpoint_interval=2",
-                        "training.validation_interval=4", f"run.dir={tmp_path}/run", *SMALL],
+                        "training.validation_interval=2", "training.log_interval=1", f"run.dir={tmp_path}/run", *SMALL],
         tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -41,7 +43,15 @@ def test_torchrun_stormcast_two_stages(tmp_path):
         assert any(f"{stage}/loss" in line for line in lines), stage
         assert (run / stage / "checkpoints" / "step_000004").is_dir() and (run / stage / "model.pt").is_file()
         assert list((run / stage / "figures").glob("prediction_*.png"))
-    assert list((run / "wandb").glob("offline-run-*"))  # wandb offline by default, under the run directory
+    # The offline wandb run under the run directory holds every point of both stages, each stage's
+    # steps counting from 1, and the figures as images at their steps.
+    rows = history_rows(run)
+    logged = {(line["step"], key, value) for line in lines for key, value in line.items() if key != "step"}
+    kept = {(row[f"{key.split('/')[0]}/step"], key, value) for row in rows for key, value in row.items()
+            if "/" in key and not key.endswith("/step") and "/prediction/" not in key and "/spectra/" not in key}
+    assert logged == kept and {step for step, key, _ in logged if key == "diffusion/loss"} == {1, 2, 3, 4}
+    images = {(row[f"{stage}/step"], stage) for row in rows for stage in ("regression", "diffusion") if f"{stage}/prediction/_type" in row}
+    assert images == {(step, stage) for step in (2, 4) for stage in ("regression", "diffusion")}
     assert "parallel" in (run / "config.yaml").read_text()
     # Inference from the run: a domain-parallel rollout with two members, as CF netCDF.
     proc = _run(

@@ -18,6 +18,8 @@ from physics_dp.testing import get_mesh, run_on_ranks
 from physics_dp.training.logger import RunLogger, setup_console_logging
 from physics_dp.training.plots import plot_spectra
 
+from .wandb_records import history_rows
+
 
 @pytest.fixture
 def quiet_wandb(tmp_path, monkeypatch):
@@ -102,6 +104,27 @@ def test_offline_wandb_writes_under_run_dir(tmp_path, quiet_wandb):
     assert len(runs) == 1, list((run_dir / "wandb").iterdir())
     assert list(runs[0].glob("*.wandb")), "the offline run holds no .wandb log"
     assert len(_read_lines(run_dir / "metrics.jsonl")) == 3
+
+
+@pytest.mark.timeout(120)
+def test_stages_counting_from_one_keep_every_wandb_point(tmp_path, quiet_wandb):
+    """Two stages, each logging steps 1..3 into one offline run: wandb keeps all six rows, each with
+    its stage's own step, and the figures as images at their steps."""
+    image = plot_spectra({"a": torch.randn(8, 8)}, tmp_path / "spectra.png")
+    with RunLogger(tmp_path, mode="offline", project="p", rank=0) as logger:
+        for stage in ("regression", "diffusion"):
+            for step in (1, 2, 3):
+                logger.log({f"{stage}/loss": 10.0 * step, f"{stage}/lr": 0.1}, step=step)
+            logger.log_image(f"{stage}/spectra", image, step=3)
+        logger.log({"epoch": 1}, step=7)
+    rows = history_rows(tmp_path)
+    for stage in ("regression", "diffusion"):
+        points = [(row[f"{stage}/step"], row[f"{stage}/loss"]) for row in rows if f"{stage}/loss" in row]
+        assert points == [(1, 10.0), (2, 20.0), (3, 30.0)], stage
+        images = [row for row in rows if f"{stage}/spectra/_type" in row]  # an image's fields are nested keys
+        assert len(images) == 1 and images[0][f"{stage}/step"] == 3 and images[0][f"{stage}/spectra/_type"] == "image-file"
+    assert [row["step"] for row in rows if "epoch" in row] == [7]
+    assert [row["_step"] for row in rows] == list(range(len(rows)))  # wandb's own step only increases
 
 
 def _log_sharded_metric(run_dir: str) -> tuple[str, str]:
