@@ -59,3 +59,8 @@ def test_times_that_cannot_be_read_name_the_fix(tmp_path):
     mixed = DataSpec(state_files=[climate.files[0], ocean.files[0]], state_variables=["tas", "tos"])
     with pytest.raises(ValueError, match="state files use different calendars .*360_day.*noleap.*convert the files to one calendar"):
         WeatherDataset(mixed, normalize=False)
+    background = DataSpec(
+        state_files=climate.files, state_variables=["tas"], background_files=ocean.files, background_variables=["tos"]
+    )
+    with pytest.raises(ValueError, match="state and background files use different calendars"):
+        WeatherDataset(background, normalize=False)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
+import cftime
 import netCDF4
 import numpy as np
 import pytest
 import torch
 import xarray as xr
 
-from physics_dp.data.cf_writer import FILL_VALUE, ForecastWriter, write_forecast_netcdf
+from physics_dp.data.cf_writer import FILL_VALUE, Coordinate, ForecastWriter, HorizontalGrid, write_forecast_netcdf
 
 START = datetime(2024, 1, 15, 6)
 UNITS = {"t2m": "K", "u10": "m s-1"}
@@ -110,6 +111,36 @@ def test_writer_appends_step_by_step_with_2d_lat_lon(tmp_path):
         expected_times = [START + timedelta(hours=h) for h in (0, 1, 2, 3)]
         np.testing.assert_array_equal(ds["time"].values, np.array(expected_times, dtype="datetime64[ns]"))
         np.testing.assert_array_equal(ds["u10"].values, np.stack([s["u10"] for s in steps]))
+
+
+def test_source_grid_and_a_360_day_calendar(tmp_path):
+    """A grid given as the source's own variables is written as given; cftime dates in the source's
+    units and calendar round-trip."""
+    lat = np.linspace(-5.0, 5.0, 3)
+    grid = HorizontalGrid(
+        ("latitude", "j"),
+        (3, 4),
+        (
+            Coordinate("latitude", ("latitude",), lat, {"units": "degrees_north", "bounds": "latitude_bnds"}),
+            Coordinate("latitude_bnds", ("latitude", "nv"), np.stack([lat - 2.5, lat + 2.5], 1), {}),
+            Coordinate("nav_lon", ("latitude", "j"), np.arange(12.0).reshape(3, 4), {"units": "degrees_east"}),
+            Coordinate("height", (), np.array(2.0), {"units": "m", "positive": "up"}),
+        ),
+        auxiliary=("nav_lon",),
+    )
+    times = [cftime.Datetime360Day(2000, 2, day) for day in (29, 30)]
+    path = write_forecast_netcdf(
+        tmp_path / "f.nc", {"tas": np.zeros((2, 3, 4))}, times=times, units={"tas": "K"}, grid=grid, calendar="360_day",
+        time_units="days since 2000-01-01", variable_attrs={"tas": {"cell_methods": "time: mean", "coordinates": "height"}},
+    )
+    with netCDF4.Dataset(path) as ds:
+        np.testing.assert_array_equal(ds["time"][:], [58.0, 59.0])  # 30 days a month
+        assert ds["tas"].dimensions == ("time", "latitude", "j") and ds["latitude_bnds"].dimensions == ("latitude", "nv")
+        assert ds["tas"].coordinates == "forecast_reference_time nav_lon height" and ds["tas"].cell_methods == "time: mean"
+    with xr.open_dataset(path) as ds:
+        assert list(ds["time"].values) == times and ds["height"].attrs == {"units": "m", "positive": "up"}
+    with pytest.raises(ValueError, match="either grid= or y/x/lat/lon"):
+        ForecastWriter(tmp_path / "g.nc", ["tas"], reference_time=times[0], units={"tas": "K"}, grid=grid, y=lat)
 
 
 def test_failure_leaves_no_file(tmp_path):
