@@ -138,7 +138,7 @@ def _forecast(
             writer = ForecastWriter(
                 forecast, names, reference_time=sources.time(initial), units=sources.units,
                 variable_attrs=sources.variable_attrs, grid=sources.grid, calendar=sources.calendar,
-                time_units=sources.time_units, ensemble_size=ensemble_size, title="physics_dp forecast",
+                time_units=sources.time_units, time_name=sources.time_name, ensemble_size=ensemble_size, title="physics_dp forecast",
                 attrs={"source_run": str(Path(options.run_dir).absolute()), "members": options.members, "seed": options.seed},
             )
         except Exception as error:  # the other ranks must hear of it, not wait in the rollout's collectives

@@ -137,7 +137,8 @@ class ForecastWriter:
     variable (its ``coordinates`` names are appended to the grid's). The grid is ``grid`` (a
     source's own coordinates) or made from ``y``/``x``/``lat``/``lon``. Times are dates (datetime,
     numpy or cftime) or numbers in ``time_units`` (default hours since ``reference_time``, the
-    forecast initialisation time, also stored as ``forecast_reference_time``) and must increase.
+    forecast initialisation time, also stored as ``forecast_reference_time``) and must increase;
+    the time dimension and its coordinate are called ``time_name``.
     Use as a context manager: on an exception the partial file is removed.
     """
 
@@ -161,6 +162,7 @@ class ForecastWriter:
         title: str = "physics_dp forecast",
         calendar: str = "proleptic_gregorian",
         time_units: str | None = None,
+        time_name: str = "time",
         xy_units: str = "m",
         compress: bool = True,
     ) -> None:
@@ -178,6 +180,7 @@ class ForecastWriter:
         self.reference_time = _as_datetime(reference_time)
         self.time_units = time_units or f"hours since {self.reference_time.strftime('%Y-%m-%d %H:%M:%S')}"
         self.calendar = calendar
+        self.time_name = time_name
         self._partial = self.path.with_name(self.path.name + ".partial")
         self._last_time: float | None = None
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -224,8 +227,8 @@ class ForecastWriter:
     def _define(self, grid: HorizontalGrid, metadata: Mapping[str, Mapping[str, Any]], compress: bool) -> tuple[int, ...]:
         """Create dimensions, coordinate and data variables; return one step's field shape."""
         ds = self._dataset
-        ds.createDimension("time", None)
-        time = ds.createVariable("time", "f8", ("time",))
+        ds.createDimension(self.time_name, None)
+        time = ds.createVariable(self.time_name, "f8", (self.time_name,))
         time_attrs = {"units": self.time_units, "calendar": self.calendar}
         time.setncatts({"standard_name": "time", "long_name": "time", "axis": "T", **time_attrs})
         reference = ds.createVariable("forecast_reference_time", "f8", ())
@@ -233,7 +236,7 @@ class ForecastWriter:
             {"standard_name": "forecast_reference_time", "long_name": "forecast initialisation time", **time_attrs}
         )
         reference.assignValue(self._time_value(self.reference_time))
-        leading: tuple[str, ...] = ("time",)
+        leading: tuple[str, ...] = (self.time_name,)
         if self.ensemble_size is not None:
             ds.createDimension("ensemble", self.ensemble_size)
             member = ds.createVariable("ensemble", "i4", ("ensemble",))
@@ -261,7 +264,7 @@ class ForecastWriter:
     @property
     def steps(self) -> int:
         """Time steps written so far."""
-        return len(self._dataset.dimensions["time"])
+        return len(self._dataset.dimensions[self.time_name])
 
     def _time_value(self, time: TimeLike) -> float:
         if isinstance(time, (datetime, np.datetime64, cftime.datetime)):
@@ -284,7 +287,7 @@ class ForecastWriter:
         index = self.steps
         for name, values in arrays.items():
             self._dataset[name][index] = values
-        self._dataset["time"][index] = value
+        self._dataset[self.time_name][index] = value
         self._last_time = value
 
     def close(self) -> Path:
@@ -331,7 +334,7 @@ def write_forecast_netcdf(
 
     ``reference_time`` defaults to the first time when times are datetimes; with times in hours it
     is required. Other options (``grid``, ``standard_names``, ``variable_attrs``, ``title``,
-    ``calendar``, ``time_units``, ``xy_units``, ``compress``) go to ``ForecastWriter``. Returns the path written.
+    ``calendar``, ``time_units``, ``time_name``, ``xy_units``, ``compress``) go to ``ForecastWriter``. Returns the path written.
     """
     if not data:
         raise ValueError("write_forecast_netcdf needs at least one variable in data")

@@ -43,6 +43,7 @@ class SourceInfo:
     seconds: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # since 1970 in `calendar`
     calendar: str = "standard"
     time_units: str = "hours since 1970-01-01 00:00:00"
+    time_name: str = "time"  # the source's time dim
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -144,6 +145,6 @@ def describe_sources(spec: DataSpec) -> SourceInfo:
         time_dim = state.time_coordinates[first].dim
         attrs, scalars = _variables(state, grid, time_dim, spec.level)
         grid = HorizontalGrid(grid.dims, grid.shape, grid.coordinates + tuple(scalars), grid.auxiliary)
-        return SourceInfo(attrs, grid, state.seconds.copy(), state.calendar, state.time_units)
+        return SourceInfo(attrs, grid, state.seconds.copy(), state.calendar, state.time_units, time_dim)
     finally:
         catalogs.close()

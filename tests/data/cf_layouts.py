@@ -5,8 +5,8 @@
   times are in the auxiliary coordinate ``time_value`` (standard_name time) that the fields name in
   their ``coordinates`` attribute. Regular grid on ``latitude``/``longitude`` with bounds; a second
   field (geopotential ``zg``) has a singleton pressure level ``plev``.
-- ``write_ocean``: an ocean model's monthly means on a noleap calendar on a curvilinear grid: dims
-  (j, i) without coordinate variables, 2-D ``latitude``/``longitude`` with vertex bounds, and sea
+- ``write_ocean``: an ocean model's monthly means on a noleap calendar along ``time_counter`` (as
+  NEMO names it), on a curvilinear grid: dims (j, i) without coordinate variables, 2-D ``latitude``/``longitude`` with vertex bounds, and sea
   surface temperature with a ``_FillValue`` land mask (the same land at every time).
 """
 
@@ -117,12 +117,12 @@ def write_ocean(root: str, n_times: int = 12) -> Layout:
     sst = _smooth(np.arange(n_times), 290.0)
     sst[:, ocean_land()] = FILL
     with netCDF4.Dataset(path, "w") as ds:
-        ds.createDimension("time", None)
+        ds.createDimension("time_counter", None)
         ds.createDimension("j", HEIGHT)
         ds.createDimension("i", WIDTH)
         ds.createDimension("vertices", 4)
         _set(
-            ds.createVariable("time", "f8", ("time",)), days,
+            ds.createVariable("time_counter", "f8", ("time_counter",)), days,
             standard_name="time", units="days since 2000-01-01", calendar="noleap", axis="T",
         )
         _set(
@@ -136,7 +136,7 @@ def write_ocean(root: str, n_times: int = 12) -> Layout:
         )
         _set(ds.createVariable("vertices_longitude", "f8", ("j", "i", "vertices")), vertices_lon, units="degrees_east")
         _set(
-            ds.createVariable("tos", "f4", ("time", "j", "i"), fill_value=FILL), sst,
+            ds.createVariable("tos", "f4", ("time_counter", "j", "i"), fill_value=FILL), sst,
             standard_name="sea_surface_temperature", units="K", long_name="Sea Surface Temperature",
             coordinates="latitude longitude", cell_methods="area: mean where sea time: mean",
         )
