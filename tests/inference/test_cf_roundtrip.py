@@ -52,10 +52,10 @@ def _infer(tokens: list[str]) -> str:
     return str(infer(*parse_args(tokens)).forecast)
 
 
-def _forecast(tmp_path: Path, layout: Layout) -> str:
-    """Train one regression step on one rank, forecast two steps with the grid split over two ranks."""
+def _forecast(tmp_path: Path, layout: Layout, figures: bool = False) -> str:
+    """Train two regression steps on one rank, forecast two steps with the grid split over two ranks."""
     run_on_ranks(1, _train, str(tmp_path / "run"), layout.files, layout.variables, timeout=120.0)
-    tokens = [f"run_dir={tmp_path / 'run'}", f"out={tmp_path / 'out'}", "steps=2", "figures=false"]
+    tokens = [f"run_dir={tmp_path / 'run'}", f"out={tmp_path / 'out'}", "steps=2", f"figures={str(figures).lower()}"]
     return run_on_ranks(2, _infer, tokens, timeout=120.0)[0]
 
 
@@ -92,7 +92,8 @@ def test_climate_model_on_360_days_with_auxiliary_time_and_a_singleton_level(tmp
 @pytest.mark.timeout(300)
 def test_ocean_model_on_a_curvilinear_noleap_grid_keeps_land_missing(tmp_path):
     ocean = write_ocean(str(tmp_path / "data"))
-    forecast = _forecast(tmp_path, ocean)
+    forecast = _forecast(tmp_path, ocean, figures=True)
+    assert len(list((tmp_path / "out" / "figures").glob("step_*.png"))) == 2  # drawn with land missing
     land = ocean_land()
     with xr.open_dataset(forecast) as ds, xr.open_dataset(ocean.files[0], decode_times=False) as src:
         _assert_times(ds, ocean, "time_counter", "days since 2000-01-01")
