@@ -97,10 +97,12 @@ def all_to_all_chunks(
     me = dist.get_rank(group)
     ref = next(t for t in send)
     dtype, device = ref.dtype, ref.device
-    send_flat = [t.contiguous().reshape(-1) for t in send]
-    in_splits = [t.numel() for t in send_flat]
+    in_splits = [t.numel() for t in send]
     out_splits = [int(torch.Size(s).numel()) for s in recv_shapes]
-    send_buffer = torch.cat(send_flat) if send_flat else torch.empty(0, dtype=dtype, device=device)
+    # each piece is written once, straight into the send buffer (strided pieces included)
+    send_buffer = torch.empty(sum(in_splits), dtype=dtype, device=device)
+    for piece, chunk in zip(send, torch.split(send_buffer, in_splits)):
+        chunk.view(piece.shape).copy_(piece)
     recv_buffer = torch.empty(sum(out_splits), dtype=dtype, device=device)
     _record("all_to_all", (sum(in_splits) - in_splits[me]) * ref.element_size())
     dist.all_to_all_single(recv_buffer, send_buffer, out_splits, in_splits, group=group)

@@ -250,6 +250,20 @@ def _accumulate_segment(grad_piece: torch.Tensor, dim: int, segment: Segment, gr
         grad_piece.narrow(dim, segment.start, 1).add_(grad.sum(dim, keepdim=True))
 
 
+def _own_segment_position(segments: Sequence[Segment], me: int, extent: int) -> int | None:
+    """Window position of the segment that is this rank's whole slab in ascending order, if any."""
+    position = 0
+    for segment in segments:
+        if segment.source == me and segment.start == 0 and segment.length == extent and (segment.step == 1 or extent == 1):
+            return position
+        position += segment.length
+    return None
+
+
+def _is_whole_slab(segments: Sequence[Segment], me: int, extent: int) -> bool:
+    return len(segments) == 1 and _own_segment_position(segments, me, extent) == 0
+
+
 class _GatherWindow(torch.autograd.Function):
     """Forward: assemble the window from the slab, peers' rows and the constant.  Backward: the reverse."""
 
@@ -266,6 +280,8 @@ class _GatherWindow(torch.autograd.Function):
             pieces[CONSTANT] = local.new_full(_with_extent(local.shape, dim, 1), value)
         if not plan.segments:
             return local.new_empty(_with_extent(local.shape, dim, 0))
+        if _is_whole_slab(plan.segments, plan.me, local.shape[dim]):
+            return local.view_as(local)  # the window is the slab: no copy
         return torch.cat([_segment_rows(pieces[s.source], dim, s) for s in plan.segments], dim)
 
     @staticmethod
@@ -274,12 +290,19 @@ class _GatherWindow(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None
         plan, dim = ctx.plan, ctx.dim
-        grad_local = grad.new_zeros(ctx.local_shape)
+        own = _own_segment_position(plan.segments, plan.me, ctx.local_shape[dim])
+        if own is None:
+            grad_local = grad.new_zeros(ctx.local_shape)
+        else:  # the window holds the whole slab once, ascending: start from that part, not zeros + add
+            grad_local = grad.narrow(dim, own, ctx.local_shape[dim])
+            mine = sum(1 for segment in plan.segments if segment.source == plan.me)
+            if plan.sends or mine > 1:  # rows will be added to it: a copy of our own
+                grad_local = grad_local.clone(memory_format=torch.contiguous_format)
         grad_pieces = {peer: grad.new_zeros(_with_extent(grad.shape, dim, count)) for peer, count in plan.receives}
         grad_pieces[plan.me] = grad_local
         position = 0
         for segment in plan.segments:
-            if segment.source != CONSTANT:
+            if segment.source != CONSTANT and not (own is not None and position == own and segment.source == plan.me):
                 piece_grad = grad.narrow(dim, position, segment.length)
                 _accumulate_segment(grad_pieces[segment.source], dim, segment, piece_grad)
             position += segment.length

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ..shard_tensor import ShardTensor
 from ._args import bind
 from ._local import ShardedOpError, local_input, sharded_axes, wrap_local
-from .conv import check_stencil_layout
+from .conv import check_stencil_layout, window_inside
 from .pooling import DimSplit, dim_split, gather_inside, output_axis_sizes, run_planewise
 
 __all__ = ["Taps", "dim_taps", "resample", "uses_vectorized_nearest"]
@@ -201,6 +201,29 @@ def uses_vectorized_nearest(x: torch.Tensor, out_shape: torch.Size) -> bool:
     return x.ndim == 4 and out_shape[2] + out_shape[3] <= 128
 
 
+_NATIVE_MODES = ("nearest", "nearest-exact", "linear", "bilinear", "bicubic", "trilinear")
+_BINARY_FACTORS = (1, 2, 4, 8)
+
+
+def _native_factors(x: ShardTensor, bound: dict[str, Any], out_shape: torch.Size) -> list[int] | None:
+    """Per-dim integer factors when torch's own kernel on a window equals the global result.
+
+    With a power-of-two factor k (so 1/k is exact) and align_corners off, torch's source
+    coordinate of output j is a function of j/k that shifts by exactly ``lo`` rows when the
+    input starts at row ``lo`` and the output at ``k * lo``; the window holds every tap of the
+    rank's outputs, and it reaches a global edge exactly where torch's clamping does.
+    """
+    if bound["mode"] not in _NATIVE_MODES or bound["align_corners"] or x._spec.local_shape().numel() == 0:
+        return None
+    factors = []
+    for dim, scale in zip(range(2, x.ndim), _scales(bound, x.ndim - 2)):
+        k, rest = divmod(out_shape[dim], x.shape[dim])
+        if rest or k not in _BINARY_FACTORS or scale not in (None, float(k)):
+            return None
+        factors.append(k)
+    return factors
+
+
 def _resize(x: ShardTensor, bound: dict[str, Any], out_shape: torch.Size) -> ShardTensor:
     nd = x.ndim - 2
     mode, align_corners = bound["mode"], bool(bound["align_corners"])
@@ -212,8 +235,14 @@ def _resize(x: ShardTensor, bound: dict[str, Any], out_shape: torch.Size) -> Sha
         plans.append((_split(taps, dim, axis, sizes, me), taps))
     splits = [split for split, _ in plans]
     local = gather_inside(local_input(x), x, splits)
-    for split, taps in plans:
-        local = resample(local, split.dim, taps, split.first, split.count, split.window[0])
+    factors = _native_factors(x, bound, out_shape)
+    if factors is not None:  # torch's kernel on the window, then this rank's outputs
+        local = F.interpolate(local, scale_factor=[float(k) for k in factors], mode=mode, align_corners=bound["align_corners"])
+        for split, k in zip(splits, factors):
+            local = local.narrow(split.dim, split.first - k * window_inside(split.window, split.extent)[0], split.count)
+    else:
+        for split, taps in plans:
+            local = resample(local, split.dim, taps, split.first, split.count, split.window[0])
     return wrap_local(local, x, out_shape, output_axis_sizes(x, splits))
 
 

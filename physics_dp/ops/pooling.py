@@ -309,9 +309,15 @@ def _pool(func: Any, bound: dict[str, Any]) -> Any:
     splits = _splits(x, out_shape, stencils)
     local = gather_inside(local_input(x), x, splits)
     local = _fill_outside(local, splits, stencils, -math.inf if "max" in kind else 0.0)
-    out = run_planewise(lambda t: _run_local(kind, t, splits, stencils), local, nd)
-    y = _drop_filler(out[0] if isinstance(out, tuple) else out, splits)
-    if kind == "avg":
+    # without padding or overhang, torch's divisor is the kernel's (or the override): its own op on the window
+    plain_avg = kind == "avg" and not bound["ceil_mode"] and not any(s.padding for s in stencils)
+    if plain_avg:
+        out = run_planewise(lambda t: func(*dict(bound, input=t).values()), local, nd)
+        y = _drop_filler(out, splits)
+    else:
+        out = run_planewise(lambda t: _run_local(kind, t, splits, stencils), local, nd)
+        y = _drop_filler(out[0] if isinstance(out, tuple) else out, splits)
+    if kind == "avg" and not plain_avg:
         override = bound.get("divisor_override")
         y = y / (override or _divisor(splits, stencils, bound["count_include_pad"], y.ndim).to(device=y.device, dtype=y.dtype))
     axis_sizes = output_axis_sizes(x, splits)

@@ -119,6 +119,8 @@ CASES = {
     "bilinear_x3_x1.5": (_up(scale_factor=(3.0, 1.5), mode="bilinear"), lambda h, w: (1, 2, h, w), hw),
     "bilinear_w_over_axis0": (_up(scale_factor=(1.5, 2.5), mode="bilinear"), lambda h, w: (2, 3, w, h), spatial(3, 2)),
     "bicubic_x2": (_up(scale_factor=2, mode="bicubic"), lambda h, w: (2, 3, h, w), hw),
+    # torch's own kernel on the window (integer power-of-two factors, here given as sizes)
+    "bilinear_size_x2_x4": (lambda h, w: nn.Upsample(size=(2 * h, 4 * w), mode="bilinear"), lambda h, w: (2, 3, h, w), hw),
     "bicubic_align_size": (
         lambda h, w: nn.Upsample(size=(2 * h - 3, w + 4), mode="bicubic", align_corners=True),
         lambda h, w: (2, 3, h, w),

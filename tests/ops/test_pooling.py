@@ -95,6 +95,8 @@ CASES = {
     ),
     "avg2d_k3x2_s2x3_p1_ceil_include_pad": (lambda h, w: nn.AvgPool2d((3, 2), (2, 3), 1, ceil_mode=True), lambda h, w: (2, 3, h, w), hw),
     "avg2d_divisor_override": (lambda h, w: nn.AvgPool2d(3, 2, 1, divisor_override=5), lambda h, w: (2, 3, h, w), hw),
+    # no padding: torch's own op on the window (its divisor is the kernel's or the override)
+    "avg2d_k3_s2_divisor_override_no_pad": (lambda h, w: nn.AvgPool2d(3, 2, divisor_override=4), lambda h, w: (2, 3, h, w), hw),
     "avg2d_batch_and_h": (lambda h, w: nn.AvgPool2d(3, 1, 1), lambda h, w: (4, 3, h, w), spatial(2, 0)),
     "avg1d_k4_s3_p2_ceil_exclude_pad": (
         lambda h, w: nn.AvgPool1d(4, 3, 2, ceil_mode=True, count_include_pad=False),
