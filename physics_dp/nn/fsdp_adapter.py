@@ -14,6 +14,7 @@ the data axis only, so nothing is counted twice.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any
 
@@ -22,6 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..ops.grad_sums import immediate_parameter_sums
 from ..shard_tensor import ShardTensor, ShardTensorSpec
 from ..shard_tensor.conversions import from_local_with_spec, to_local
 from .module_sync import PartitionFn, distribute_module
@@ -41,13 +43,18 @@ class FSDPOutputTensorAdapter(nn.Module):
     layouts are kept from the latest forward, so call ``restore`` before the next forward.
     """
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, immediate_grad_sums: bool = True):
         super().__init__()
         self.module = module
+        # FSDP's and DDP's backward hooks read parameter gradients before backward ends, so the
+        # domain sums of those gradients must not wait for the end-of-backward buckets
+        self.immediate_grad_sums = immediate_grad_sums
         self._layouts: list[ShardTensorSpec | None] | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        leaves, tree = tree_flatten(self.module(*args, **kwargs))
+        with immediate_parameter_sums() if self.immediate_grad_sums else contextlib.nullcontext():
+            outputs = self.module(*args, **kwargs)
+        leaves, tree = tree_flatten(outputs)
         self._layouts = [leaf._spec if isinstance(leaf, ShardTensor) else None for leaf in leaves]
         plain = [to_local(leaf) if isinstance(leaf, ShardTensor) else leaf for leaf in leaves]
         return tree_unflatten(plain, tree)

@@ -122,7 +122,7 @@ def parallelize(
         )
     low_precision = _PRECISIONS[mixed_precision]
     sync_module_over_mesh(model, mesh)
-    adapter = FSDPOutputTensorAdapter(model)
+    adapter = FSDPOutputTensorAdapter(model, immediate_grad_sums=data_parallel != "none")
     autocast_dtype = low_precision
     if data_parallel == "fsdp":
         data_mesh = mesh[DATA_AXIS] if DATA_AXIS in _axis_names(mesh) else None

@@ -4,7 +4,8 @@ An op handler takes the slab out of its ShardTensor (differentiably), computes o
 tensors (with halos, statistics, ...), and wraps the local result back with the spec it
 computed.  Parameters shared by every rank (plain tensors, or replicated ShardTensors) enter
 through :func:`local_param`, whose backward sums the per-rank gradient contributions over the
-mesh axes that split the data, once per use, so parameter gradients equal one device's.
+mesh axes that split the data (bucketed at the end of backward, see :mod:`.grad_sums`), so
+parameter gradients equal one device's.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ..distributed import collectives
 from ..shard_tensor import Replicate, Shard, ShardTensor, ShardTensorSpec
 from ..shard_tensor.conversions import from_local_with_spec, to_local
+from .grad_sums import SumGradOverGroups
 
 __all__ = [
     "local_input",
@@ -53,21 +54,6 @@ def data_axes(tensor: ShardTensor) -> list[int]:
     return [axis for axis, _ in sharded_axes(tensor)]
 
 
-class _SumGradOverAxes(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, param: torch.Tensor, mesh, axes: tuple[int, ...]) -> torch.Tensor:  # type: ignore[override]
-        ctx.mesh, ctx.axes = mesh, axes
-        return param.view_as(param)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        # Low-precision shares (bf16 compute) are summed in fp32: the sum is the gradient itself.
-        summed = grad.float() if grad.dtype in (torch.bfloat16, torch.float16) else grad
-        for group in groups_spanning(ctx.mesh, ctx.axes):
-            summed = collectives.all_reduce(summed, "sum", group)
-        return summed.to(grad.dtype), None, None
-
-
 def groups_spanning(mesh, axes: tuple[int, ...]) -> list:
     """Process groups whose successive sums cover ``axes``: one world-wide group when the axes
     are the whole mesh and the mesh is the whole job (one collective instead of one per axis)."""
@@ -80,7 +66,7 @@ def sum_grad_over_axes(tensor: torch.Tensor, mesh, axes: Sequence[int]) -> torch
     """Identity forward; backward sums the gradient over ``axes`` (each rank holds one share)."""
     if not axes or not (torch.is_grad_enabled() and tensor.requires_grad):
         return tensor
-    return _SumGradOverAxes.apply(tensor, mesh, tuple(axes))
+    return SumGradOverGroups.apply(tensor, tuple(groups_spanning(mesh, tuple(axes))))
 
 
 def local_param(param: torch.Tensor | None, like: ShardTensor, axes: Sequence[int] | None = None) -> torch.Tensor | None:

@@ -195,8 +195,12 @@ def run_default(func: Any, args: tuple, kwargs: dict) -> Any:
         return _run_default_unguarded(func, args, kwargs)
 
 
+# gradients are taken *with respect to* their tensor arguments: those must stay the very tensors
+_AUTOGRAD_ENTRY_POINTS = frozenset({torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward})
+
+
 def _run_default_unguarded(func: Any, args: tuple, kwargs: dict) -> Any:
-    if torch.is_grad_enabled():
+    if torch.is_grad_enabled() and func not in _AUTOGRAD_ENTRY_POINTS:
         args, kwargs = _replicate_plain_grad_tensors(args, kwargs)
     return func(*args, **kwargs)
 

@@ -1,0 +1,139 @@
+"""Sums of parameter gradients over the mesh axes that split the data: bucketed at the end of backward.
+
+Each rank's local compute yields only its slab's share of a shared parameter's gradient; the
+shares must be summed over the sharded axes exactly once.  Summing at every use costs one
+collective per parameter use (hundreds per step, each with gloo's ~0.3 ms floor).  Instead, a
+use of a *leaf* parameter whose gradient autograd is about to accumulate keeps its share out of
+autograd and adds it to a per-backward stash; when the backward pass ends, the stashes are packed
+into buckets of at most ``BUCKET_BYTES`` (in backward order, identical on every rank) and each
+bucket is summed with one all-reduce, then added to ``.grad``.  Collectives per step: the number
+of buckets.
+
+A share is summed at once, as before, where deferring could be observed:
+
+- the parameter is not a leaf (a cast or view of one, FSDP's and DTensor's local views);
+- autograd will not accumulate into it (``torch.autograd.grad``, ``backward(inputs=...)``
+  without it): the captured gradient itself must be the sum;
+- inside :func:`immediate_parameter_sums`, which the FSDP/DDP output adapter enters: their
+  hooks read ``.grad`` during backward, before the end of the pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from ..distributed import collectives
+
+__all__ = ["BUCKET_BYTES", "immediate_parameter_sums", "sum_over_groups", "SumGradOverGroups"]
+
+BUCKET_BYTES = 32 * 2**20
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+_immediate_depth = 0
+
+
+@contextlib.contextmanager
+def immediate_parameter_sums() -> Iterator[None]:
+    """Inside, parameter gradients are summed at each use (for wrappers that read ``.grad`` in backward)."""
+    global _immediate_depth
+    _immediate_depth += 1
+    try:
+        yield
+    finally:
+        _immediate_depth -= 1
+
+
+def sum_over_groups(grad: torch.Tensor, groups: Sequence) -> torch.Tensor:
+    """The sum of every rank's ``grad`` over ``groups`` in turn (low precision summed in fp32)."""
+    summed = grad.float() if grad.dtype in _LOW_PRECISION else grad
+    for group in groups:
+        summed = collectives.all_reduce(summed, "sum", group)
+    return summed.to(grad.dtype)
+
+
+class _Stash:
+    """This backward pass's deferred shares, in the order they arrived."""
+
+    def __init__(self) -> None:
+        self.entries: dict[int, tuple[torch.Tensor, tuple, torch.Tensor]] = {}
+
+    def add(self, param: torch.Tensor, groups: tuple, share: torch.Tensor) -> None:
+        share = share.float() if share.dtype in _LOW_PRECISION else share
+        entry = self.entries.get(id(param))
+        self.entries[id(param)] = (param, groups, share if entry is None else entry[2] + share)
+
+    def buckets(self) -> list[list[tuple[torch.Tensor, tuple, torch.Tensor]]]:
+        """Entries grouped by (groups, dtype, device), split at ``BUCKET_BYTES``, in arrival order."""
+        buckets: list[list] = []
+        open_bucket: dict[tuple, tuple[list, int]] = {}
+        for param, groups, share in self.entries.values():
+            key = (groups, share.dtype, share.device)
+            bucket, size = open_bucket.get(key, (None, 0))
+            nbytes = share.numel() * share.element_size()
+            if bucket is None or size + nbytes > BUCKET_BYTES:
+                bucket, size = [], 0
+                buckets.append(bucket)
+            bucket.append((param, groups, share))
+            open_bucket[key] = (bucket, size + nbytes)
+        return buckets
+
+
+_stash: _Stash | None = None
+
+
+@torch.no_grad()
+def _flush() -> None:
+    """End of the backward pass: sum each bucket with one all-reduce and add it to ``.grad``."""
+    global _stash
+    stash, _stash = _stash, None
+    if stash is None:
+        return
+    for bucket in stash.buckets():
+        flat = torch.cat([share.reshape(-1) for _, _, share in bucket])
+        for group in bucket[0][1]:
+            flat = collectives.all_reduce(flat, "sum", group)
+        offset = 0
+        for param, _, share in bucket:
+            total = flat[offset:offset + share.numel()].view(param.shape).to(param.dtype)
+            offset += share.numel()
+            if param.grad is None:
+                param.grad = total  # a view of the bucket: no copy
+            else:
+                param.grad.add_(total)
+
+
+def _defer(param: torch.Tensor, groups: tuple, share: torch.Tensor) -> None:
+    global _stash
+    if _stash is None:
+        _stash = _Stash()
+        torch.autograd.Variable._execution_engine.queue_callback(_flush)
+    _stash.add(param, groups, share)
+
+
+class SumGradOverGroups(torch.autograd.Function):
+    """Identity forward; backward sums the gradient share over ``groups`` (deferred and bucketed where safe)."""
+
+    @staticmethod
+    def forward(ctx, param: torch.Tensor, groups: tuple) -> torch.Tensor:  # type: ignore[override]
+        ctx.groups = groups
+        ctx.deferrable = param.is_leaf and _immediate_depth == 0
+        ctx.param = param if ctx.deferrable else None
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        if ctx.deferrable and _will_accumulate(ctx.next_functions[0][0]):
+            _defer(ctx.param, ctx.groups, grad)
+            return None, None
+        return sum_over_groups(grad, ctx.groups), None
+
+
+def _will_accumulate(node: torch.autograd.graph.Node) -> bool:
+    """Whether this backward pass accumulates into the leaf behind ``node`` (not ``autograd.grad``)."""
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # raised for leaves under torch.autograd.grad, which captures instead
+        return False
