@@ -1,0 +1,80 @@
+"""Where a sharded training step's time goes: torch.profiler over the StormCast regression U-Net step.
+
+Spawns N gloo ranks x 1 thread; each runs forward, ``((out - target)**2).mean()``, backward on a
+global (1, 3 + 5, H, W) field sharded over H, and rank 0 prints the ops with the most self CPU
+time over the profiled steps, as a markdown table with each op's share of the total, plus the
+collectives the step issued.  Run it on two commits to compare before and after a change.
+
+    python benchmarks/step_profile.py [--ranks 2] [--grid 128 192] [--steps 2] [--rows 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from model_memory import build_model
+
+    from physics_dp.distributed import DistributedManager
+    from physics_dp.distributed.collectives import count_communication
+    from physics_dp.shard_tensor import Shard, distribute_tensor
+
+    DistributedManager.initialize()
+    mesh = DistributedManager().initialize_mesh((world,), ("domain",))
+    height, width = args.grid
+    model = build_model((height, width), 3, 5)
+    gen = torch.Generator().manual_seed(0)
+    state, condition, target = (torch.randn(1, c, height, width, generator=gen) for c in (3, 5, 3))
+    state, condition, target = (distribute_tensor(t, mesh, [Shard(2)]) for t in (state, condition, target))
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        ((model(state, condition) - target) ** 2).mean().backward()
+
+    for _ in range(2):
+        step()
+    with count_communication() as log:
+        step()
+    dist.barrier()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            step()
+    if rank == 0:
+        averages = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        total = sum(e.self_cpu_time_total for e in averages)
+        print(f"{world} ranks, grid {height}x{width}, {args.steps} steps: {total / 1e3 / args.steps:.0f} ms self CPU per step "
+              f"on rank 0; {log.calls} collectives per step\n")
+        print("| op | self CPU ms / step | share | calls / step |\n| --- | --- | --- | --- |")
+        for event in averages[: args.rows]:
+            print(f"| {event.key} | {event.self_cpu_time_total / 1e3 / args.steps:.1f} | "
+                  f"{100 * event.self_cpu_time_total / total:.1f} % | {event.count // args.steps} |")
+    dist.barrier()
+    DistributedManager().cleanup()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--grid", nargs=2, type=int, default=[128, 192], metavar=("H", "W"))
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=15)
+    args = parser.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(args.ranks, port, args), nprocs=args.ranks, join=True)
+
+
+if __name__ == "__main__":
+    main()
