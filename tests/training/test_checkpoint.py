@@ -218,6 +218,40 @@ def test_load_without_checkpoint_returns_none_and_missing_step_raises(tmp_path):
         Checkpointer(tmp_path).load(model, optimizer, step=7)
 
 
+def _load_step(directory: str, step: int | None) -> str:
+    model, optimizer, scheduler = _build((1, 2, "none"), seed=5)
+    try:
+        return str(Checkpointer(directory).load(model, optimizer, scheduler, step=step)["step"])
+    except Exception as error:  # the message each rank would print
+        return f"{type(error).__name__}: {error}"
+
+
+@pytest.mark.parametrize("damage", ["truncate shard", "truncate metadata", "truncate trainer state", "delete shard"])
+def test_damaged_latest_checkpoint_is_set_aside_and_the_previous_one_used(tmp_path, damage, caplog):
+    run_on_ranks(2, _save_steps, str(tmp_path), [1, 2], 3)
+    latest = tmp_path / "step_000002"
+    shard = sorted(latest.glob("*.distcp"))[-1]
+    victim = {"truncate shard": shard, "delete shard": shard, "truncate metadata": latest / ".metadata",
+              "truncate trainer state": latest / "trainer_state.pt"}[damage]
+    if damage == "delete shard":
+        victim.unlink()
+    else:
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    # An explicit step names the damaged file on every rank, and nothing is moved.
+    for message in run_on_ranks(2, _load_step, str(tmp_path), 2):
+        assert message.startswith("CheckpointDamagedError") and str(victim) in message, message
+    # The default (latest) falls back to the newest intact checkpoint on every rank.
+    with caplog.at_level("WARNING"):
+        assert Checkpointer(tmp_path).load(*_build((1, 1, "none"), seed=5)[:2]) is not None  # single process too
+    assert [r for r in caplog.records if str(victim) in r.getMessage() and "set aside" in r.getMessage()]
+    aside = [p.name for p in tmp_path.iterdir() if p.name.startswith("step_000002.damaged-")]
+    assert len(aside) == 1 and not latest.exists()
+    assert run_on_ranks(2, _load_step, str(tmp_path), None) == ["1", "1"]
+    # Set aside, never pruned: the next saves keep it for inspection.
+    names = run_on_ranks(2, _save_steps, str(tmp_path), [2, 3], 2)
+    assert aside[0] in names[0] and "step_000001" not in names[0]
+
+
 def _checkpoint_bytes(directory: str, layout: Layout) -> int:
     _first_run(directory, layout, 2)
     return sum(f.stat().st_size for f in (Path(directory) / "step_000002").iterdir() if f.suffix == ".distcp")
