@@ -7,6 +7,7 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
 import torch
 
 from physics_dp.testing import run_on_ranks
@@ -15,6 +16,8 @@ from ._launch import alive, finish, rank_pid, stderr_of, torchrun, wait_for
 from ._runs import logged_steps, overrides, train
 
 STEPS = 24
+
+pytestmark = pytest.mark.timeout(240)  # each case; the waits inside are bounded more tightly
 
 
 def _params(path: Path) -> dict[str, torch.Tensor]:
@@ -50,7 +53,8 @@ def test_sigstop_of_one_rank_ends_every_rank_naming_it(tmp_path):
     try:
         assert finish(job, 60) != 0
     finally:
-        os.kill(stopped, signal.SIGKILL) if alive(stopped) else None
+        if alive(stopped):  # never leave a stopped process behind, even when the test fails
+            os.kill(stopped, signal.SIGKILL)
     err = stderr_of(tmp_path)
     assert "rank 0: rank 1 (host" in err and f"pid {stopped}) has shown no sign of life" in err, err[-3000:]
     assert "parallel.timeout_s=4" in err

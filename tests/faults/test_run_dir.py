@@ -15,6 +15,8 @@ from physics_dp.training.run_dir import RunLock
 
 from ._runs import error_of, logged_steps, overrides, snapshot, train
 
+pytestmark = pytest.mark.timeout(180)  # each case; the waits inside are bounded more tightly
+
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory) -> Path:
