@@ -60,7 +60,7 @@ def _explain_timeout(error: BaseException, timeout_s: float) -> None:
     text = str(error).lower()
     if isinstance(error, (RuntimeError, dist.DistError)) and ("timed out" in text or "timeout" in text):
         error.add_note(
-            f"A collective waited longer than parallel.timeout_s={timeout_s:g} s on rank {dist.get_rank()}: another rank is "
+            f"A collective waited longer than parallel.timeout_s={timeout_s:g} s on rank {DistributedManager().rank}: another rank is "
             "stalled or was lost, or not every rank called the same collective (e.g. full_tensor() under `if rank == 0`). "
             "Raise parallel.timeout_s only if a rank legitimately needs longer between collectives."
         )

@@ -43,12 +43,13 @@ def test_sigkill_of_one_rank_mid_run_then_resume_is_bitwise(tmp_path):
         assert torch.equal(value, reference[name]), name
 
 
-def test_sigstop_of_one_rank_ends_every_rank_naming_it(tmp_path):
+@pytest.mark.parametrize("victim", [1, 0], ids=["rank 1", "rank 0 (hosts the heartbeat store)"])
+def test_sigstop_of_one_rank_ends_every_rank_naming_it(tmp_path, victim):
     args = overrides(tmp_path, "parallel.domain_size=2", "training.max_steps=100000", "parallel.timeout_s=4")
     run = tmp_path / "run"
     job = torchrun(args, tmp_path)
     wait_for(lambda: (run / "metrics.jsonl").is_file() and len(logged_steps(run)) >= 2, 120, "step 2", job)
-    stopped = rank_pid(job, 1)
+    stopped = rank_pid(job, victim)
     os.kill(stopped, signal.SIGSTOP)
     try:
         assert finish(job, 60) != 0
@@ -56,7 +57,8 @@ def test_sigstop_of_one_rank_ends_every_rank_naming_it(tmp_path):
         if alive(stopped):  # never leave a stopped process behind, even when the test fails
             os.kill(stopped, signal.SIGKILL)
     err = stderr_of(tmp_path)
-    assert "rank 0: rank 1 (host" in err and f"pid {stopped}) has shown no sign of life" in err, err[-3000:]
+    other = 1 - victim
+    assert f"rank {other}: rank {victim} (host" in err and f"pid {stopped}) has shown no sign of life" in err, err[-3000:]
     assert "parallel.timeout_s=4" in err
     assert not alive(stopped)
 

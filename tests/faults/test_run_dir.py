@@ -106,3 +106,30 @@ def test_metrics_have_no_repeated_steps_after_a_resume(tmp_path):
                  timeout=300.0)
     assert logged_steps(run) == [1, 2, 3, 4]
     assert logged_steps(run, "regression/valid/loss") == [4]  # step 3's belonged to the discarded attempt
+
+
+def test_lock_of_a_reused_pid_is_stale_and_another_hosts_lock_is_not(tmp_path):
+    """A live pid whose process started at another time is not the owner (pids are reused); a lock
+    from another host cannot be checked, so it blocks, saying how to clear it."""
+    import json
+
+    lock = RunLock(tmp_path)
+    held = {**lock.owner, "process_start": lock.owner["process_start"] - 1}  # this pid, an earlier process
+    (tmp_path / "run.lock").write_text(json.dumps(held))
+    lock.acquire()
+    assert json.loads((tmp_path / "run.lock").read_text()) == lock.owner
+    lock.release()
+    (tmp_path / "run.lock").write_text(json.dumps({**lock.owner, "host": "elsewhere"}))
+    with pytest.raises(RuntimeError, match="in use by another job: host elsewhere.*delete the lock file if that job is gone"):
+        RunLock(tmp_path).acquire()
+
+
+def test_a_collective_timeout_in_training_says_what_it_usually_means():
+    from physics_dp.training.run import _explain_timeout
+
+    error = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 3000ms for recv operation to complete")
+    _explain_timeout(error, 3.0)
+    assert "parallel.timeout_s=3 s" in error.__notes__[0] and "not every rank called the same collective" in error.__notes__[0]
+    other = ValueError("config key parallel.timeout_s=0.0 is invalid")
+    _explain_timeout(other, 3.0)
+    assert not getattr(other, "__notes__", None)
