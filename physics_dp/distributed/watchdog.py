@@ -13,7 +13,6 @@ computes or waits, so a slow step is never mistaken for a stall.
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import socket
@@ -25,8 +24,6 @@ from datetime import timedelta
 import torch.distributed as dist
 
 __all__ = ["WATCHDOG_EXIT_CODE", "Watchdog"]
-
-log = logging.getLogger(__name__)
 
 WATCHDOG_EXIT_CODE = 75
 
@@ -111,8 +108,7 @@ class Watchdog:
             f"{age:.0f} s (parallel.timeout_s={self.timeout_s:g}); it is stopped (SIGSTOP), hung outside Python, or its "
             f"node is gone. Ending rank {rank}."
         )
-        print(message, file=sys.stderr, flush=True)
-        log.error(message)
+        print(message, file=sys.stderr, flush=True)  # not logging: it must show even where logging is off
         if host == socket.gethostname() and pid != os.getpid():
             try:  # a stopped process cannot end itself; the launcher would wait for it
                 os.kill(pid, signal.SIGKILL)

@@ -15,7 +15,7 @@ from physics_dp.testing import run_on_ranks
 from ._launch import alive, finish, rank_pid, stderr_of, torchrun, wait_for
 from ._runs import logged_steps, overrides, train
 
-STEPS = 24
+STEPS = 16
 
 pytestmark = pytest.mark.timeout(240)  # each case; the waits inside are bounded more tightly
 
