@@ -1,7 +1,9 @@
 """A whole training run: distributed setup, run directory, data, then each stage of the recipe.
 
 Configuration errors are detected before any collective that depends on them, identically on
-every rank, so every rank exits with the same message instead of some hanging.
+every rank, so every rank exits with the same message instead of some hanging. Work only rank 0
+does (the run directory, statistics, the logger) fails as the same error on every rank, and
+nothing is written into the run directory before every check has passed (docs/reliability.md).
 """
 
 from __future__ import annotations
