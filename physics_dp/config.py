@@ -7,6 +7,7 @@ or a value of the wrong type fails at start with a message naming it, on every r
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -107,6 +108,7 @@ class DataConfig:
 class ParallelConfig:
     domain_size: int = 1  # ranks that split each sample's grid (rows); data size = world / domain_size
     data_parallel: str = "fsdp"  # fsdp | ddp | none
+    timeout_s: float = 300.0  # a collective or a silent rank waited on longer than this ends every rank
 
 
 @dataclass
@@ -170,6 +172,7 @@ class RunConfig:
     name: str = "run"
     dir: Optional[str] = None  # default: <output_root>/<name>/<timestamp>; name a fixed dir to resume
     output_root: str = "outputs"
+    overwrite: bool = False  # start over in a run.dir that already holds a run (its results are deleted)
 
 
 @dataclass
@@ -197,7 +200,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "training.precision": ("fp32", "bf16"),
     "logging.wandb_mode": ("disabled", "offline", "online"),
 }
-_POSITIVE = (
+_POSITIVE_INTS = (
     "parallel.domain_size",
     "training.max_steps",
     "training.global_batch_size",
@@ -207,6 +210,49 @@ _POSITIVE = (
     "training.log_interval",
     "training.keep_checkpoints",
     "data.lead_time",
+    "data.synthetic.n_times",
+    "data.synthetic.height",
+    "data.synthetic.width",
+    "sampling.num_steps",
+    "sampling.num_samples",
+    "model.regression.model_channels",
+    "model.regression.num_blocks",
+    "model.regression.num_heads",
+    "model.diffusion.unet.model_channels",
+    "model.diffusion.unet.num_blocks",
+    "model.diffusion.unet.num_heads",
+    "model.diffusion.dit.patch_size",
+    "model.diffusion.dit.hidden_size",
+    "model.diffusion.dit.depth",
+    "model.diffusion.dit.num_heads",
+    "model.diffusion.dit.frequency_embedding_size",
+)
+_POSITIVE_NUMBERS = (
+    "parallel.timeout_s",
+    "optim.lr",
+    "optim.eps",
+    "model.diffusion.sigma_data",
+    "model.diffusion.dit.mlp_ratio",
+    "sampling.sigma_min",
+    "sampling.sigma_max",
+    "sampling.rho",
+)
+_NON_NEGATIVE = (
+    "optim.weight_decay",
+    "optim.momentum",
+    "schedule.warmup_steps",
+    "training.validation_batches",
+    "training.seed",
+    "sampling.s_churn",
+    "data.prefetch",
+    "data.synthetic.seed",
+)
+_OPTIONAL_POSITIVE = ("training.grad_clip", "model.diffusion.unet.embedding_dim", "model.regression.embedding_dim")
+_POSITIVE_LISTS = (
+    "model.regression.channel_mult",
+    "model.diffusion.unet.channel_mult",
+    "model.regression.attn_resolutions",
+    "model.diffusion.unet.attn_resolutions",
 )
 
 
@@ -245,10 +291,7 @@ def validate(cfg: DictConfig | Any) -> None:
         value = OmegaConf.select(cfg, key)
         if value not in choices:
             raise ValueError(f"config key {key}={value!r} is not one of {list(choices)}")
-    for key in _POSITIVE:
-        value = OmegaConf.select(cfg, key)
-        if value is None or value < 1:
-            raise ValueError(f"config key {key} must be a positive integer, got {value!r}")
+    _check_numbers(cfg)
     for key in ("data.state_files", "data.background_files"):
         value = OmegaConf.select(cfg, key)
         if value is not None and not isinstance(value, str) and not (
@@ -259,6 +302,50 @@ def validate(cfg: DictConfig | Any) -> None:
         raise ValueError("data.source=netcdf needs data.state_files (a path, glob or list of them) and data.state_variables")
     for key in ("data.train_times", "data.valid_times"):
         value = OmegaConf.select(cfg, key)
-        if value is not None and (len(value) != 2 or value[0] >= value[1]):
-            raise ValueError(f"config key {key} must be [start, stop) with start < stop, got {list(value)}")
+        if value is not None and (len(value) != 2 or value[0] < 0 or value[0] >= value[1]):
+            raise ValueError(f"config key {key} must be [start, stop) with 0 <= start < stop, got {list(value)}")
+    if not str(cfg.run.name).strip() or "/" in str(cfg.run.name):
+        raise ValueError(f"config key run.name={cfg.run.name!r} must be a non-empty name without '/'; use run.dir for a path")
 
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_numbers(cfg: DictConfig | Any) -> None:
+    """Ranges of every numeric key, each error naming the key, the value and what is allowed."""
+
+    def fail(key: str, value: Any, allowed: str) -> None:
+        raise ValueError(f"config key {key}={value!r} is invalid: it must be {allowed}")
+
+    for key in _POSITIVE_INTS:
+        value = OmegaConf.select(cfg, key)
+        if value is None or value < 1:
+            raise ValueError(f"config key {key} must be a positive integer, got {value!r}")
+    for key in _POSITIVE_NUMBERS:
+        value = OmegaConf.select(cfg, key)
+        if not _number(value) or value <= 0:
+            fail(key, value, "a finite number > 0")
+    for key in _NON_NEGATIVE:
+        value = OmegaConf.select(cfg, key)
+        if not _number(value) or value < 0:
+            fail(key, value, "a finite number >= 0")
+    for key in _OPTIONAL_POSITIVE:
+        value = OmegaConf.select(cfg, key)
+        if value is not None and (not _number(value) or value <= 0):
+            fail(key, value, "null or a finite number > 0")
+    for key in _POSITIVE_LISTS:
+        value = list(OmegaConf.select(cfg, key))
+        if any(v < 1 for v in value) or (key.endswith("channel_mult") and not value):
+            fail(key, value, "a list of positive integers" + (" (at least one level)" if key.endswith("channel_mult") else ""))
+    betas = list(cfg.optim.betas)
+    if len(betas) != 2 or not all(_number(b) and 0 <= b < 1 for b in betas):
+        fail("optim.betas", betas, "two numbers in [0, 1)")
+    if not 0 <= cfg.schedule.min_lr_ratio <= 1:
+        fail("schedule.min_lr_ratio", cfg.schedule.min_lr_ratio, "in [0, 1]")
+    if cfg.sampling.sigma_max <= cfg.sampling.sigma_min:
+        fail("sampling.sigma_max", cfg.sampling.sigma_max, f"greater than sampling.sigma_min={cfg.sampling.sigma_min}")
+    weights = cfg.training.channel_weights
+    if weights is not None and (not weights or not all(_number(w) and w >= 0 for w in weights)
+                                or not any(w > 0 for w in weights)):
+        fail("training.channel_weights", list(weights), "null or a list of finite numbers >= 0, at least one > 0")

@@ -5,13 +5,14 @@ Names: ``DataSpec`` (config), ``WeatherDataset`` (one rank's window of each samp
 ``ShardedLoader`` (data-parallel batches with prefetching) and ``write_synthetic_dataset``.
 """
 
-from .catalog import ReadCounts
+from .catalog import DataReadError, ReadCounts
 from .dataset import DataSpec, WeatherDataset
 from .loader import ShardedLoader, collate
 from .stats import ChannelStats, Stats, compute_stats, load_or_compute_stats
 
 __all__ = [
     "ChannelStats",
+    "DataReadError",
     "DataSpec",
     "ReadCounts",
     "ShardedLoader",

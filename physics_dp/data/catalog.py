@@ -15,11 +15,20 @@ from datetime import datetime
 import cftime
 import netCDF4
 import numpy as np
+import torch.distributed as dist
 
 from .files import NETCDF_LOCK, FilePool
 from .times import TimeCoordinate, check_one_calendar, describe_time, find_time_coordinate, to_date
 
 Window = tuple[tuple[int, int], tuple[int, int]]
+
+
+class DataReadError(OSError):
+    """A hyperslab could not be read from a file (damaged chunk, I/O error); names everything to find it."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 @dataclass(frozen=True)
@@ -298,8 +307,15 @@ class Catalog:
         else:
             path, local = self._holders[name][0], None
         index = self._layouts[(path, name)].index(local, rows, cols)
-        with NETCDF_LOCK:
-            raw = self._pool.get(path).variables[name][index]
+        try:
+            with NETCDF_LOCK:
+                raw = self._pool.get(path).variables[name][index]
+        except Exception as error:  # netCDF4/HDF5 say only "NetCDF: HDF error"
+            when = f"{self._when(t)} (index {local} in the file)" if self.timed else "its only time"
+            raise DataReadError(
+                f"rank {_rank()} could not read {self.role} variable {name!r} at {when}, rows {rows}, cols {cols} from "
+                f"{path}: {type(error).__name__}: {error}. The file may be damaged (check it with ncdump, or re-copy it)"
+            ) from error
         values = np.ma.getdata(raw).astype(np.float64)
         valid = ~np.ma.getmaskarray(raw)
         if np.isnan(values[valid]).any():

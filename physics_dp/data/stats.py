@@ -141,11 +141,22 @@ def _read_cache(path: str) -> dict:
         raise ValueError(f"the stats cache {path} is not a physics_dp stats file ({err}); delete it to recompute") from err
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _write_cache(path: str, entries: dict) -> None:
-    """Write-then-rename, so a concurrent reader sees the old file or the new one, never half of one."""
+    """Write-then-rename, so a concurrent reader sees the old file or the new one, never half of one.
+
+    The file gets the mode any new file would get (0666 less the umask), not mkstemp's private 0600:
+    it sits beside shared data, and other users reading that data need the statistics too.
+    """
     directory = os.path.dirname(os.path.abspath(path))
     try:
         fd, tmp = tempfile.mkstemp(prefix=".stats-", suffix=".tmp", dir=directory)
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w") as f:
             json.dump({"entries": entries}, f, indent=1)
         os.replace(tmp, path)

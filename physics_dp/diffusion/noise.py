@@ -16,7 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..shard_tensor import ShardTensor
+from ..shard_tensor import ShardTensor, ShardTensorSpec
+from ..shard_tensor.conversions import from_local_with_spec
 
 __all__ = ["derive_seed", "randn_like_global", "sample_sigma_lognormal"]
 
@@ -141,9 +142,8 @@ def randn_like_global(like: torch.Tensor, seed: int, sample_ids: Sequence[int] |
 
     if not isinstance(like, ShardTensor):
         return local
-    return ShardTensor.from_local(
-        local, spec.mesh, spec.placements, sharding_shapes=spec.sharding_shapes(), global_shape=global_shape
-    )
+    # like's split, known on every rank: no communication (from_local with explicit sizes would check them)
+    return from_local_with_spec(local, ShardTensorSpec(spec.mesh, spec.placements, global_shape, spec.axis_sizes))
 
 
 def sample_sigma_lognormal(

@@ -14,6 +14,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from . import launch_env
 
 BACKEND_ENV_VAR = "PHYSICS_DP_BACKEND"
+# How long a collective waits for its peers before failing: minutes, not torch's 30-minute default,
+# so a stalled rank or a collective called on some ranks only ends the job soon (parallel.timeout_s).
+DEFAULT_TIMEOUT_S = 300.0
 
 
 def resolve_mesh_shape(mesh_shape: tuple[int, ...], world_size: int) -> tuple[int, ...]:
@@ -98,11 +101,14 @@ class DistributedManager:
 
         Order: an existing default process group is adopted; else torchrun variables; else SLURM;
         else a lone process, which still gets a 1-rank process group (in-memory store, no port) so
-        device meshes and collectives behave the same at every world size.
+        device meshes and collectives behave the same at every world size. ``timeout`` (seconds or a
+        timedelta; default ``DEFAULT_TIMEOUT_S``) bounds how long any collective waits for its peers.
         """
         if cls.is_initialized():
             return
         manager = cls()
+        if timeout is None:
+            timeout = DEFAULT_TIMEOUT_S
         if isinstance(timeout, (int, float)):
             timeout = timedelta(seconds=timeout)
         cuda = torch.cuda.is_available()
@@ -125,11 +131,9 @@ class DistributedManager:
         self._owns_process_group = False
 
     def _create_process_group(
-        self, env: launch_env.LaunchEnv | None, backend: str, timeout: timedelta | None, cuda: bool
+        self, env: launch_env.LaunchEnv | None, backend: str, timeout: timedelta, cuda: bool
     ) -> None:
-        kwargs: dict[str, Any] = {"backend": backend}
-        if timeout is not None:
-            kwargs["timeout"] = timeout
+        kwargs: dict[str, Any] = {"backend": backend, "timeout": timeout}
         if env is None:
             dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
         else:

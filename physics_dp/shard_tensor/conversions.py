@@ -46,6 +46,26 @@ def _default_mesh() -> DeviceMesh:
     return mesh
 
 
+def _check_sizes_agree(sizes: tuple[int, ...], local_extent: int, mesh: DeviceMesh, axis: int) -> None:
+    """Collective over ``axis``: every rank was given the same explicit sizes, and each slab has its size.
+
+    One small all-gather; without it ranks given different dicts build different specs, and some
+    return while others fail later inside a collective.
+    """
+    n = mesh.size(axis)
+    mine = [len(sizes), local_extent, *(list(sizes) + [-1] * n)[:n]]
+    rows = collectives.gather_sizes(mine, mesh.get_group(axis))
+    if any(row[0] != rows[0][0] or row[2:] != rows[0][2:] for row in rows):
+        given = {coordinate: row[2 : 2 + row[0]] for coordinate, row in enumerate(rows)}
+        raise ValueError(f"from_local: the explicit sharding_shapes differ between ranks along mesh axis {axis}: {given}")
+    if rows[0][0] != n or any(row[1] != rows[0][2 + c] for c, row in enumerate(rows)):
+        slabs = [row[1] for row in rows]
+        raise ValueError(
+            f"from_local: sharding_shapes gives sizes {list(sizes)} along mesh axis {axis} ({n} ranks) but the slabs "
+            f"have {slabs}"
+        )
+
+
 def spec_from_local(
     local: torch.Tensor,
     mesh: DeviceMesh | None,
@@ -82,6 +102,7 @@ def spec_from_local(
             if axis not in sharding_shapes:
                 raise ValueError(f"sharding_shapes has no entry for sharded mesh axis {axis}")
             axis_sizes[axis] = tuple(int(s[dim]) for s in sharding_shapes[axis])
+            _check_sizes_agree(axis_sizes[axis], local.shape[dim], mesh, axis)
             shape[dim] = sum(axis_sizes[axis])
     else:
         raise ValueError(f'sharding_shapes must be "infer", "chunk" or a dict, got {sharding_shapes!r}')

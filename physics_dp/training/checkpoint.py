@@ -16,6 +16,7 @@ time, and every method except ``latest_step`` and ``path_of`` is collective.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import secrets
@@ -36,15 +37,23 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from physics_dp.distributed.agreement import on_rank0
 from physics_dp.distributed.collectives import all_reduce, broadcast
 
-__all__ = ["Checkpointer", "CheckpointMismatchError", "export_state_dict"]
+__all__ = ["CheckpointDamagedError", "Checkpointer", "CheckpointMismatchError", "export_state_dict"]
+
+log = logging.getLogger(__name__)
 
 LATEST_FILE = "latest"
 TRAINER_STATE_FILE = "trainer_state.pt"  # step, scheduler state and `extra`, written by rank 0
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_MARKER = ".tmp-"
+_DAMAGED_MARKER = ".damaged-"  # set aside by load, kept for inspection, never pruned
 _LEFTOVER = re.compile(r"^(step_\d+|latest)\.tmp-")  # unfinished writes of this checkpointer
+
+
+class CheckpointDamagedError(RuntimeError):
+    """A checkpoint's files are missing, truncated or unreadable."""
 
 
 class CheckpointMismatchError(ValueError):
@@ -60,16 +69,8 @@ def _group() -> dist.ProcessGroup | None:
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
-def _rank() -> int:
-    return dist.get_rank() if _group() is not None else 0
-
-
 def _all_ok(ok: bool) -> bool:
-    """Collective: True when every rank reports success (doubles as a barrier).
-
-    Routing rank 0's filesystem work through this keeps a failure there from leaving the other
-    ranks blocked in the next collective.
-    """
+    """Collective: True when every rank reports success (so no rank waits alone in a collective)."""
     group = _group()
     if group is None:
         return ok
@@ -83,20 +84,6 @@ def _broadcast_int(value: int) -> int:
     if group is None:
         return value
     return int(broadcast(torch.tensor([value], dtype=torch.int64), 0, group).item())
-
-
-def _on_rank0(what: str, action: Callable[[], None]) -> None:
-    """Run ``action`` on rank 0 only and fail on every rank if it fails there."""
-    error: BaseException | None = None
-    if _rank() == 0:
-        try:
-            action()
-        except Exception as exc:  # re-raised below, after the other ranks know
-            error = exc
-    if not _all_ok(error is None):
-        if error is not None:
-            raise error
-        raise RuntimeError(f"rank 0 failed while {what}; its traceback has the cause")
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -201,8 +188,8 @@ class Checkpointer:
                 os.fsync(handle.fileno())
             self._publish(tmp, final, step, nonce)
 
-        # The all-reduce inside _on_rank0 is the barrier: it also tells every rank when it is done.
-        _on_rank0(f"finishing checkpoint {final}", finish)
+        # The broadcast inside on_rank0 is the barrier: it also tells every rank when it is done.
+        on_rank0(finish)
         return final
 
     def _publish(self, tmp: Path, final: Path, step: int, nonce: str) -> None:
@@ -235,6 +222,52 @@ class Checkpointer:
         for step in others[: max(0, len(others) - (self.keep - 1))]:
             shutil.rmtree(self.path_of(step), ignore_errors=True)
 
+    # ---- verification ----------------------------------------------------------------------
+
+    def damage(self, step: int) -> str | None:
+        """Why the finished checkpoint for ``step`` cannot be loaded (a file missing, truncated or
+        unreadable), or None. Local: reads the DCP metadata, file sizes and the trainer state."""
+        path = self.path_of(step)
+        try:
+            metadata = dcp.FileSystemReader(path).read_metadata()
+        except Exception as error:  # noqa: BLE001  (any failure to read it means the same)
+            return f"its metadata file {path / '.metadata'} cannot be read ({type(error).__name__}: {error})"
+        needed: dict[str, int] = {}
+        for info in (metadata.storage_data or {}).values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        for name, end in sorted(needed.items()):
+            file = path / name
+            if not file.is_file():
+                return f"its data file {file} is missing"
+            if file.stat().st_size < end:
+                return f"its data file {file} is truncated ({file.stat().st_size} bytes, {end} expected)"
+        try:
+            torch.load(path / TRAINER_STATE_FILE, weights_only=False)
+        except Exception as error:  # noqa: BLE001
+            return f"its trainer state {path / TRAINER_STATE_FILE} cannot be read ({type(error).__name__}: {error})"
+        return None
+
+    def _require_intact(self, step: int) -> None:
+        problem = self.damage(step)
+        if problem is not None:
+            raise CheckpointDamagedError(f"checkpoint {self.path_of(step)} cannot be loaded: {problem}")
+
+    def _newest_intact(self) -> int:
+        """Rank 0: the newest loadable step (``latest`` first), setting damaged ones aside; -1 if none."""
+        latest = self.latest_step()
+        steps = sorted(set(self._complete_steps()) | ({latest} if latest is not None else set()), reverse=True)
+        if latest is not None:
+            steps.remove(latest)
+            steps.insert(0, latest)
+        for step in steps:
+            problem = self.damage(step)
+            if problem is None:
+                return step
+            aside = self.directory / f"{_step_name(step)}{_DAMAGED_MARKER}{secrets.token_hex(4)}"
+            self.path_of(step).rename(aside)
+            log.warning("checkpoint %s is damaged (%s); set aside as %s, trying an older one", self.path_of(step), problem, aside)
+        return -1
+
     # ---- load ------------------------------------------------------------------------------
 
     def load(
@@ -248,19 +281,21 @@ class Checkpointer:
 
         Returns ``{"step": step, "extra": extra}``, or None when there is no checkpoint to load.
         """
-        if step is None:  # rank 0 decides, so ranks with a lagging view of the directory agree
-            found = self.latest_step() if _rank() == 0 else None
-            agreed = _broadcast_int(-1 if found is None else found)
+        if step is None:  # rank 0 decides (and sets damaged ones aside), so every rank agrees
+            agreed = on_rank0(self._newest_intact)
             if agreed < 0:
                 return None
             step = agreed
+        else:
+            path = self.path_of(step)
+            if not _all_ok(path.is_dir()):  # agreed, so no rank is left waiting inside dcp.load
+                available = self._complete_steps()
+                raise FileNotFoundError(
+                    f"no finished checkpoint for step {step} at {path}; available steps in "
+                    f"{self.directory}: {available or 'none'}"
+                )
+            on_rank0(lambda: self._require_intact(step))
         path = self.path_of(step)
-        if not _all_ok(path.is_dir()):  # agreed, so no rank is left waiting inside dcp.load
-            available = self._complete_steps()
-            raise FileNotFoundError(
-                f"no finished checkpoint for step {step} at {path}; available steps in "
-                f"{self.directory}: {available or 'none'}"
-            )
 
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
@@ -327,4 +362,4 @@ def export_state_dict(model: nn.Module, path: str | Path) -> None:
         torch.save(full, tmp)
         os.replace(tmp, path)
 
-    _on_rank0(f"exporting the model state dict to {path}", write)
+    on_rank0(write)

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import DataConfig
 from ..data import DataSpec, ShardedLoader, Stats, WeatherDataset, load_or_compute_stats
+from ..distributed.agreement import on_rank0
 from ..shard_tensor import Shard, ShardTensor
 
 __all__ = ["DataBundle", "build_data", "data_spec", "row_window", "shard_batch", "FIELD_KEYS"]
@@ -78,19 +78,9 @@ def row_window(height: int, parts: int, index: int) -> tuple[int, int]:
 
 
 def shared_stats(spec: DataSpec) -> Stats:
-    """Statistics computed (or read from the cache) by rank 0 first, then read by the others."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return load_or_compute_stats(spec)
-    box: list[object] = [None]
-    if dist.get_rank() == 0:
-        try:
-            box[0] = load_or_compute_stats(spec)
-        except Exception as error:  # every rank must learn of it, not hang in the broadcast
-            box[0] = error
-    dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], Exception):
-        raise box[0]
-    return box[0]  # type: ignore[return-value]
+    """Statistics computed (or read from the cache) by rank 0, shared with the others; a failure
+    there is the same error on every rank."""
+    return on_rank0(lambda: load_or_compute_stats(spec))
 
 
 @dataclass

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -133,6 +134,33 @@ class RunLogger:
     def _log_wandb(self, values: Mapping[str, Any], step: int) -> None:
         if self._run is not None:
             self._run.log({**values, **{self._step_metric(key): step for key in values}})
+
+    def forget_after(self, prefix: str, step: int) -> int:
+        """Drop the ``metrics.jsonl`` lines of metrics named ``prefix...`` logged after ``step``.
+
+        A stage resuming from its checkpoint at ``step`` logs the later steps again; without this the
+        file would hold them twice (6, 7, 6, 7, 8, ...). Returns how many lines were dropped.
+        """
+        if not self.active:
+            return 0
+        self._metrics_file.close()
+        lines = self.metrics_path.read_text(encoding="utf-8").splitlines(keepends=True)
+
+        def later(line: str) -> bool:
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line cut short by a killed job
+                return True
+            keys = [k for k in record if k != "step"]
+            return record.get("step", 0) > step and bool(keys) and all(k.startswith(prefix) for k in keys)
+
+        kept = [line if line.endswith("\n") else line + "\n" for line in lines if not later(line)]
+        if len(kept) != len(lines):
+            tmp = self.metrics_path.with_name(f".{self.metrics_path.name}.tmp")
+            tmp.write_text("".join(kept), encoding="utf-8")
+            os.replace(tmp, self.metrics_path)
+        self._metrics_file = open(self.metrics_path, "a", encoding="utf-8", buffering=1)
+        return len(lines) - len(kept)
 
     def log_image(self, key: str, png_path: str | Path, step: int) -> None:
         """Attach an image file (e.g. from ``plots.plot_prediction``) to the wandb run at ``step``."""

@@ -1,7 +1,9 @@
 """A whole training run: distributed setup, run directory, data, then each stage of the recipe.
 
 Configuration errors are detected before any collective that depends on them, identically on
-every rank, so every rank exits with the same message instead of some hanging.
+every rank, so every rank exits with the same message instead of some hanging. Work only rank 0
+does (the run directory, statistics, the logger) fails as the same error on every rank, and
+nothing is written into the run directory before every check has passed (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..config import validate
 from ..distributed import DistributedManager
+from ..distributed.agreement import on_rank0, raise_together
+from ..distributed.watchdog import Watchdog
 from .data_setup import DataBundle, build_data
 from .logger import RunLogger, setup_console_logging
+from .run_dir import RunDirectory
 
 __all__ = ["agree_run_dir", "layout", "train"]
 
@@ -52,40 +57,80 @@ def agree_run_dir(cfg: DictConfig) -> Path:
     return Path(choice[0]).absolute()
 
 
+def _explain_timeout(error: BaseException, timeout_s: float) -> None:
+    """Say what a collective that waited past ``parallel.timeout_s`` usually means."""
+    text = str(error).lower()
+    if isinstance(error, (RuntimeError, dist.DistError)) and ("timed out" in text or "timeout" in text):
+        error.add_note(
+            f"A collective waited longer than parallel.timeout_s={timeout_s:g} s on rank {DistributedManager().rank}: another rank is "
+            "stalled or was lost, or not every rank called the same collective (e.g. full_tensor() under `if rank == 0`). "
+            "Raise parallel.timeout_s only if a rank legitimately needs longer between collectives."
+        )
+
+
 def train(cfg: DictConfig) -> dict:
-    """Run every stage of ``cfg.task``; returns per-stage results (losses, validation metrics)."""
+    """Run every stage of ``cfg.task``; returns per-stage results (losses, validation metrics).
+
+    Order: every check that needs no files first (config values, layout), then the run directory
+    is claimed (lock, comparison with an existing run), the data and the stages are checked, and
+    only then is ``config.yaml`` written and training started.
+    """
     validate(cfg)
-    DistributedManager.initialize()
+    DistributedManager.initialize(timeout=cfg.parallel.timeout_s)
     manager = DistributedManager()
     setup_console_logging(manager.rank)
     data_size, domain_size, per_rank_batch = layout(manager.world_size, cfg)
     mesh = manager.initialize_mesh((data_size, domain_size), ("data", "domain"))
-    run_dir = agree_run_dir(cfg)
-    if manager.rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    directory = RunDirectory(agree_run_dir(cfg), cfg)
+    on_rank0(directory.claim)
+    try:
+        with Watchdog(cfg.parallel.timeout_s):
+            return _train_in(directory, cfg, mesh, per_rank_batch, data_size, domain_size)
+    except Exception as error:
+        _explain_timeout(error, cfg.parallel.timeout_s)
+        raise
+    finally:
+        directory.release()
+
+
+def _train_in(directory: RunDirectory, cfg: DictConfig, mesh, per_rank_batch: int, data_size: int, domain_size: int) -> dict:
+    from ..recipes import check_recipe, run_recipe  # recipes sit above the trainer
+
+    run_dir = directory.path
     log.info("run directory %s; %d data x %d domain ranks", run_dir, data_size, domain_size)
     torch.manual_seed(cfg.training.seed)
     data: DataBundle = build_data(cfg.data, mesh, per_rank_batch, cfg.training.seed)
-    logger = RunLogger(
-        run_dir,
-        mode=cfg.logging.wandb_mode,
-        project=cfg.logging.project,
-        name=cfg.run.name,
-        tags=list(cfg.logging.tags),
-        config=OmegaConf.to_container(cfg, resolve=True),
-        rank=manager.rank,
-    )
-    from ..recipes import run_recipe  # recipes sit above the trainer
-
     try:
-        results = run_recipe(cfg, mesh, data, run_dir, logger)
+        failure: Exception | None = None
+        try:
+            check_recipe(cfg, data, run_dir)
+        except Exception as error:  # noqa: BLE001  (raised on every rank below)
+            failure = error
+        raise_together(failure)
+        on_rank0(directory.start)
+        logger = None
+        try:
+            logger = RunLogger(
+                run_dir,
+                mode=cfg.logging.wandb_mode,
+                project=cfg.logging.project,
+                name=cfg.run.name,
+                tags=list(cfg.logging.tags),
+                config=OmegaConf.to_container(cfg, resolve=True),
+                rank=dist.get_rank(),
+            )
+        except Exception as error:  # noqa: BLE001  (raised on every rank below)
+            failure = error
+        raise_together(failure)
+        try:
+            results = run_recipe(cfg, mesh, data, run_dir, logger)
+        finally:
+            logger.close()
         # Which (rows, cols) windows of each variable this rank read from disk: its rows only.
         results["windows_read"] = {
             group: {var: sorted(windows) for var, windows in counts.windows.items()}
             for group, counts in data.train.read_counts().items()
         }
     finally:
-        logger.close()
         data.close()
     return results

@@ -156,6 +156,7 @@ class Trainer:
                 start = state["step"]
                 loader.load_state_dict(state["extra"]["train_loader"])
                 log.info("%s: resumed from step %d in %s", self.task.name, start, checkpoints.directory)
+        self.logger.forget_after(f"{self.task.name}/", start)  # a resumed stage logs its later steps again
         result = StageResult(parallel.model, start)
         if start >= t.max_steps:
             log.info("%s: already at step %d of %d", self.task.name, start, t.max_steps)

@@ -97,3 +97,18 @@ def test_cache_problems_name_the_file(synthetic_spec, tmp_path):
         load_or_compute_stats(dataclasses.replace(synthetic_spec, stats_file=str(bad)))
     with pytest.raises(OSError, match="cannot write the stats cache .* set DataSpec.stats_file to a writable path"):
         load_or_compute_stats(dataclasses.replace(synthetic_spec, stats_file=str(tmp_path / "missing_dir" / "s.json")))
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_cache_file_mode_follows_the_umask(synthetic_spec, tmp_path, umask):
+    """Other users reading the same data need the cache beside it (mkstemp alone gives 0600)."""
+    import os
+    import stat
+
+    spec = dataclasses.replace(synthetic_spec, stats_file=str(tmp_path / f"cache-{umask:o}.json"))
+    previous = os.umask(umask)
+    try:
+        load_or_compute_stats(spec)
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(os.stat(spec.stats_file).st_mode) == 0o666 & ~umask

@@ -153,3 +153,24 @@ def _shard_to_shard_is_one_all_to_all(world):
 def test_shard_to_shard_uses_a_single_all_to_all(world):
     kinds = run_on_ranks(world, _shard_to_shard_is_one_all_to_all, world)
     assert all(k == ["all_to_all"] for k in kinds)
+
+
+def _disagreeing_explicit_shapes(case: str) -> str:
+    mesh = get_mesh((2,))
+    rank = dist.get_rank()
+    if case == "dicts differ":  # each rank's dict matches its own slab, but they disagree
+        sizes = [3, 1] if rank == 0 else [2, 2]
+    else:  # same dict everywhere, but rank 1's slab is not the size it says
+        sizes = [3, 1]
+    local = torch.zeros(sizes[rank] + (1 if case == "slab differs" and rank == 1 else 0), 4)
+    try:
+        ShardTensor.from_local(local, mesh, [Shard(0)], sharding_shapes={0: [(s, 4) for s in sizes]})
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("case, needle", [("dicts differ", "differ between ranks"), ("slab differs", "the slabs have [3, 2]")])
+def test_explicit_sharding_shapes_are_checked_on_every_rank(case, needle):
+    messages = run_on_ranks(2, _disagreeing_explicit_shapes, case)
+    assert messages[0] == messages[1] and needle in messages[0], messages
