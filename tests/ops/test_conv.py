@@ -216,7 +216,8 @@ def test_conv_halo_sends_exactly_the_halo_rows(world):
     row = 2 * 3 * 8 * 4  # N * C_in * W float32
     # the copy-free path sends the output gradient's boundary row back (N * C_out * W)
     grad_row = 2 * 4 * 8 * 4
-    weight_and_bias = [("all_reduce", 4 * 3 * 3 * 3 * 4), ("all_reduce", 4 * 4)]
+    # the weight and bias shares are summed in one bucket at the end of backward
+    weight_and_bias = [("all_reduce", (4 * 3 * 3 * 3 + 4) * 4)]
     for (c,), forward, backward in run_on_ranks(world, _conv_bytes, (world,), 3, 1, 1):
         neighbours = (c > 0) + (c < world - 1)
         assert forward == [("p2p", row)] * neighbours, (c, forward)
@@ -253,7 +254,7 @@ def _one_by_one_sends_nothing(world):
 def test_one_by_one_conv_sends_nothing_forward():
     for calls, backward in run_on_ranks(3, _one_by_one_sends_nothing, 3):
         assert calls == 0
-        assert backward == ["all_reduce", "all_reduce"]  # weight and bias gradients only
+        assert backward == ["all_reduce"]  # weight and bias gradients only, in one bucket
 
 
 # ----- unsupported layouts ------------------------------------------------------------------------
