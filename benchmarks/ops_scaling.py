@@ -1,6 +1,7 @@
 """Strong scaling of every sharded op family: N ranks against the floor and against one process.
 
-For each op (forward + backward at one global size) it prints, in one run:
+For each op (forward, then backward from a cotangent of ones, at one global size; a loss such as
+``.sum()`` would add one all-reduce per step that is not the op's) it prints, in one run:
 
 - ``sharded``: the ShardTensor op on N ranks x 1 thread (slowest rank, barrier-timed median);
 - ``slab``: the plain torch op on one rank's slab widened by the halo rows its stencil reads, in
@@ -101,8 +102,9 @@ CASES = [
 TARGETS = {"compute": 1.15, "memory": 1.3}
 
 
-def _loss(out: torch.Tensor) -> torch.Tensor:
-    return out.sum()
+def _backward(out: torch.Tensor) -> None:
+    """Backward from a cotangent of ones laid out like ``out``: the op's own cost, no loss all-reduce."""
+    out.backward(torch.ones_like(out))
 
 
 def _median_time(step: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
@@ -124,7 +126,7 @@ def _whole_grid(cases: list[Case], threads: int, repeats: int) -> dict[str, floa
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(case.shape, generator=gen).requires_grad_(True)
         fn, _ = case.build(gen, case.shape)
-        results[case.name] = _median_time(lambda: _loss(fn(x)).backward(), repeats)
+        results[case.name] = _median_time(lambda: _backward(fn(x)), repeats)
     return results
 
 
@@ -153,10 +155,10 @@ def _rank_worker(rank: int, world: int, port: int, names: list[str], repeats: in
         slab = _slab_with_halo(full, case, list(balanced_sizes(case.shape[case.dim], world)), rank).requires_grad_(True)
 
         def sharded_step() -> None:
-            _loss(fn(sharded)).backward()
+            _backward(fn(sharded))
 
         def slab_step() -> None:
-            _loss(fn(slab)).backward()
+            _backward(fn(slab))
 
         sharded_step()
         slab_step()
