@@ -91,35 +91,58 @@ def _strip(halo: torch.Tensor, geometry: HaloConvGeometry, before: bool) -> torc
     return torch.cat([halo, zeros] if before else [zeros, halo], geometry.dim)
 
 
+def _batched(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The boundary pieces as one batch, so each boundary costs one kernel call.
+
+    A batch of one is padded with a zero piece: torch runs small single-sample convolutions on
+    its slow reference kernel (several times slower here than the oneDNN one it picks for a
+    batch above one), and a zero piece adds nothing to any result.
+    """
+    if len(pieces) == 1 and pieces[0].shape[0] == 1:
+        pieces = [pieces[0], torch.zeros_like(pieces[0])]
+    return torch.cat(list(pieces), 0)
+
+
+def _conv_backward(grad: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, geometry: HaloConvGeometry, mask: list[bool]):
+    """``convolution_backward`` of a halo strip (no padding along the sharded dim)."""
+    return torch.ops.aten.convolution_backward(
+        grad, input, weight, None, geometry.stride, geometry.strip_padding(), geometry.dilation, False,
+        [0] * len(geometry.padding), geometry.groups, mask,
+    )
+
+
 class _HaloConv(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx, local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geometry: HaloConvGeometry
     ) -> torch.Tensor:
         conv = _CONV_BY_DIMS[local.ndim - 2]
-        dim, r = geometry.dim, geometry.reach
+        dim, r, n = geometry.dim, geometry.reach, local.shape[0]
         pending = _exchange_rows(local, geometry)
         y = conv(local, weight, bias, geometry.stride, geometry.padding, geometry.dilation, geometry.groups)
         prev_rows, next_rows = _received(pending, geometry)
-        strips = []
-        for rows, before, start in ((prev_rows, True, 0), (next_rows, False, y.shape[dim] - r)):
-            if rows is None:
-                strips.append(None)
-                continue
-            strip = _strip(rows, geometry, before)
-            strips.append(strip)
-            correction = conv(strip, weight, None, geometry.stride, geometry.strip_padding(), geometry.dilation, geometry.groups)
-            y.narrow(dim, start, r).add_(correction)
-        ctx.save_for_backward(local, weight, *(s for s in strips if s is not None))
-        ctx.geometry, ctx.has_strips, ctx.has_bias = geometry, tuple(s is not None for s in strips), bias is not None
+        # (strip, first output row it corrects, whether the halo comes before the slab)
+        boundaries = [
+            (_strip(rows, geometry, before), start, before)
+            for rows, start, before in ((prev_rows, 0, True), (next_rows, y.shape[dim] - r, False))
+            if rows is not None
+        ]
+        if boundaries:
+            strips = _batched([strip for strip, _, _ in boundaries])
+            corrections = conv(strips, weight, None, geometry.stride, geometry.strip_padding(), geometry.dilation, geometry.groups)
+            for i, (_, start, _) in enumerate(boundaries):
+                y.narrow(dim, start, r).add_(corrections.narrow(0, i * n, n))
+        ctx.save_for_backward(local, weight, *(strip for strip, _, _ in boundaries))
+        ctx.boundaries = tuple((start, before) for _, start, before in boundaries)
+        ctx.geometry, ctx.has_bias = geometry, bias is not None
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        local, weight, *saved_strips = ctx.saved_tensors
+        local, weight, *strips = ctx.saved_tensors
         geometry: HaloConvGeometry = ctx.geometry
-        dim, r = geometry.dim, geometry.reach
+        dim, r, n = geometry.dim, geometry.reach, local.shape[0]
         need_input, need_weight, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         pending = _exchange_rows(grad, geometry) if need_input else None
         grad_input, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
@@ -127,31 +150,17 @@ class _HaloConv(torch.autograd.Function):
             geometry.stride, geometry.padding, geometry.dilation, False, [0] * len(geometry.padding), geometry.groups,
             [need_input, need_weight, need_bias and ctx.has_bias],
         )
-        strips = iter(saved_strips)
-        extent = grad.shape[dim]
-        boundary_rows = ((0, True), (extent - r, False))
-        if need_weight:
-            for has_strip, (start, _) in zip(ctx.has_strips, boundary_rows):
-                if has_strip:
-                    _, strip_weight, _ = torch.ops.aten.convolution_backward(
-                        grad.narrow(dim, start, r), next(strips), weight, None, geometry.stride,
-                        geometry.strip_padding(), geometry.dilation, False, [0] * len(geometry.padding),
-                        geometry.groups, [False, True, False],
-                    )
-                    grad_weight.add_(strip_weight)
-        if need_input:
+        if need_weight and strips:  # the halo rows' share of the weight gradient
+            boundary_grads = _batched([grad.narrow(dim, start, r) for start, _ in ctx.boundaries])
+            grad_weight.add_(_conv_backward(boundary_grads, _batched(strips), weight, geometry, [False, True, False])[1])
+        if need_input and ctx.boundaries:  # the neighbours' boundary outputs read r of our rows each
             prev_grad, next_grad = _received(pending, geometry)
-            for neighbour_grad, (start, before) in zip((prev_grad, next_grad), boundary_rows):
-                if neighbour_grad is None:
-                    continue
-                # the neighbour's r boundary outputs read 3r input rows, r of them ours
-                strip_shape = _with_rows(local.shape, dim, 3 * r)
-                strip_input, _, _ = torch.ops.aten.convolution_backward(
-                    neighbour_grad, local.new_empty(strip_shape), weight, None, geometry.stride,
-                    geometry.strip_padding(), geometry.dilation, False, [0] * len(geometry.padding),
-                    geometry.groups, [True, False, False],
-                )
-                ours = strip_input.narrow(dim, 2 * r, r) if before else strip_input.narrow(dim, 0, r)
+            neighbour_grads = [g for g in (prev_grad, next_grad) if g is not None]
+            batch = _batched(neighbour_grads)
+            strip_shape = [batch.shape[0], *_with_rows(local.shape, dim, 3 * r)[1:]]
+            strip_input = _conv_backward(batch, local.new_empty(strip_shape), weight, geometry, [True, False, False])[0]
+            for i, (start, before) in enumerate(ctx.boundaries):
+                ours = strip_input.narrow(0, i * n, n).narrow(dim, 2 * r if before else 0, r)
                 grad_input.narrow(dim, start, r).add_(ours)
         return grad_input, grad_weight, grad_bias, None
 
