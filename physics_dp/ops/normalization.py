@@ -183,7 +183,11 @@ def _channel_norm(
 
 # ----- layer norm over sharded dims: global statistics per leading index -----------------------
 class _NormalizeGlobally(torch.autograd.Function):
-    """xhat = (x - mean) / sqrt(var + eps), with mean and var over the trailing ``dims`` of the global tensor."""
+    """xhat = (x - mean) / sqrt(var + eps), with mean and var over the trailing ``dims`` of the global tensor.
+
+    The slab is viewed as rows (leading index) x the normalized values, so the normalization and
+    its closed-form backward are fused per-row passes (:func:`_scale_shift`).
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -191,10 +195,11 @@ class _NormalizeGlobally(torch.autograd.Function):
     ) -> torch.Tensor:
         count, mean, m2 = global_moments(x, dims, groups)
         count = count.clamp(min=1)
-        rstd = torch.rsqrt(m2 / count + eps)
-        xhat = torch.addcmul((-mean * rstd).to(x.dtype), x, rstd.to(x.dtype))
-        ctx.save_for_backward(xhat, rstd.to(x.dtype), count.to(x.dtype))
-        ctx.dims, ctx.groups = dims, groups
+        rstd = torch.rsqrt(m2 / count + eps).reshape(1, -1)
+        ctx.row_shape = (1, rstd.shape[1], math.prod(x.shape[d] for d in dims))
+        xhat = _scale_shift(x.reshape(ctx.row_shape), rstd, -mean.reshape(1, -1) * rstd).view(x.shape)
+        ctx.save_for_backward(xhat, rstd, count)
+        ctx.groups = groups
         return xhat
 
     @staticmethod
@@ -203,12 +208,13 @@ class _NormalizeGlobally(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
         xhat, rstd, count = ctx.saved_tensors
-        sums = torch.stack([grad.sum(ctx.dims, keepdim=True), (grad * xhat).sum(ctx.dims, keepdim=True)])
+        rows, grad_rows = xhat.reshape(ctx.row_shape), grad.reshape(ctx.row_shape)
+        sums = torch.stack([grad_rows.sum(2), torch.einsum("ncl,ncl->nc", grad_rows, rows)]).double()
         for group in ctx.groups:
             sums = collectives.all_reduce(sums, "sum", group)
         mean_grad, mean_grad_xhat = sums / count
-        grad_x = torch.addcmul(-rstd * mean_grad, xhat, -rstd * mean_grad_xhat)
-        return grad_x.addcmul_(grad, rstd), None, None, None
+        grad_x = _scale_shift(rows, -rstd * mean_grad_xhat, -rstd * mean_grad)
+        return grad_x.addcmul_(grad_rows, rstd.to(grad.dtype).unsqueeze(-1)).view(grad.shape), None, None, None
 
 
 # ----- shared pieces --------------------------------------------------------------------------
