@@ -118,6 +118,8 @@ class _HaloConv(torch.autograd.Function):
     ) -> torch.Tensor:
         conv = _CONV_BY_DIMS[local.ndim - 2]
         dim, r, n = geometry.dim, geometry.reach, local.shape[0]
+        ctx.dtypes = (local.dtype, weight.dtype, None if bias is None else bias.dtype)
+        local, weight, bias = _autocast(local, weight, bias)  # the backward then sees one dtype
         pending = _exchange_rows(local, geometry)
         y = conv(local, weight, bias, geometry.stride, geometry.padding, geometry.dilation, geometry.groups)
         prev_rows, next_rows = _received(pending, geometry)
@@ -162,7 +164,22 @@ class _HaloConv(torch.autograd.Function):
             for i, (start, before) in enumerate(ctx.boundaries):
                 ours = strip_input.narrow(0, i * n, n).narrow(dim, 2 * r if before else 0, r)
                 grad_input.narrow(dim, start, r).add_(ours)
-        return grad_input, grad_weight, grad_bias, None
+        input_dtype, weight_dtype, bias_dtype = ctx.dtypes
+        return (
+            None if grad_input is None else grad_input.to(input_dtype),
+            None if grad_weight is None else grad_weight.to(weight_dtype),
+            None if grad_bias is None else grad_bias.to(bias_dtype),
+            None,
+        )
+
+
+def _autocast(local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    """Under autocast, the conv's inputs in its compute dtype, as ``F.conv*`` would cast them."""
+    device = local.device.type
+    if not torch.is_autocast_enabled(device):
+        return local, weight, bias
+    dtype = torch.get_autocast_dtype(device)
+    return local.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
 def halo_conv(

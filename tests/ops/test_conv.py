@@ -338,3 +338,29 @@ def _gradients_asked_for(world: int) -> list[str]:
 @pytest.mark.parametrize("world", [2, 3])
 def test_same_conv_computes_only_the_gradients_asked_for(world):
     assert len(run_on_ranks(world, _gradients_asked_for, world)[0]) == 3
+
+
+def _same_conv_under_autocast() -> float:
+    """bf16 autocast (the trainer's "none"/DDP precision): the copy-free path casts like F.conv2d."""
+    mesh = get_mesh((2,))
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 4, 3, padding=1)
+    x = torch.randn(2, 3, 12, 8)
+    xs = distribute_tensor(x, mesh, [Shard(2)]).requires_grad_(True)
+    reference = x.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ys, y = conv(xs), conv(reference)
+    assert ys.dtype == y.dtype == torch.bfloat16
+    torch.testing.assert_close(ys.full_tensor(), y, atol=2e-2, rtol=2e-2)
+    ys.float().square().mean().backward()
+    sharded_weight_grad = conv.weight.grad.clone()
+    conv.zero_grad()
+    y.float().square().mean().backward()
+    assert xs.grad.dtype == torch.float32 and sharded_weight_grad.dtype == torch.float32
+    torch.testing.assert_close(xs.grad.full_tensor(), reference.grad, atol=2e-3, rtol=2e-2)
+    torch.testing.assert_close(sharded_weight_grad, conv.weight.grad, atol=2e-3, rtol=2e-2)
+    return float((sharded_weight_grad - conv.weight.grad).abs().max())
+
+
+def test_same_conv_under_bf16_autocast_matches_one_device():
+    run_on_ranks(2, _same_conv_under_autocast)
