@@ -282,13 +282,13 @@ def torch_dispatch(cls: type, op: torch._ops.OpOverload, types: tuple, args: tup
     if plan is None:
         plan = _aten_plans[op] = (_dispatch_handlers.get(op), _classify(op))
     handler, kind = plan
+    if handler is None and kind != _NOT_POINTWISE:  # the hottest path first: it is local on any mesh
+        result = _pointwise_aten_local(op, args, kwargs, kind)
+        if result is not NotImplemented:
+            return result
     like = local_only_spec(args, kwargs)
     if like is not None:
         return run_aten_on_slabs(op, args, kwargs, like)
     if handler is not None:
         return handler(op, args, kwargs)
-    if kind != _NOT_POINTWISE:
-        result = _pointwise_aten_local(op, args, kwargs, kind)
-        if result is not NotImplemented:
-            return result
     return _fallback(op, args, kwargs)
