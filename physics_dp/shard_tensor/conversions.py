@@ -1,8 +1,9 @@
 """Differentiable conversions between plain tensors, ShardTensors and DTensors.
 
-Gradient convention: the gradient of a ShardTensor is the gradient of its *global* value,
-laid out as a ShardTensor.  A pending reduction (``Partial``) therefore receives a replicated
-gradient; only :func:`from_local` translates back to a rank's own contribution.
+Gradient convention (docs/architecture.md, "Gradient conventions"): the gradient of a
+ShardTensor is the gradient of its *global* value, laid out in its placements with Partial axes
+replicated.  ``to_local``'s backward maps a slab's gradient into that form and ``from_local``'s
+backward maps it back, so the two are inverse for autograd on every placement.
 """
 
 from __future__ import annotations
@@ -120,21 +121,44 @@ def _needs_autograd(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _local_contribution_grad(grad: torch.Tensor, spec: ShardTensorSpec) -> torch.Tensor:
-    """A rank's slab gradient from the global-value gradient."""
-    if not isinstance(grad, ShardTensor):
-        raise TypeError(f"expected a ShardTensor gradient, got {type(grad).__name__}")
-    local = redistribute_to_spec(grad, grad_target_spec(spec)).to_local()
+def _avg_axes_size(spec: ShardTensorSpec) -> int:
+    """How many contributions a ``Partial("avg")`` value averages (product over its avg axes).
+
+    Raises for ``Partial("max")``/``("min")``: which contribution wins is not known here, so a
+    gradient through a conversion of such a tensor has no definition.
+    """
+    count = 1
     for axis, placement in enumerate(spec.placements):
         if type(placement) is Partial:
             if placement.reduce_op == "avg":
-                local = local / spec.mesh.size(axis)
+                count *= spec.mesh.size(axis)
             elif placement.reduce_op != "sum":
                 raise NotImplementedError(
-                    f"gradient through from_local with Partial({placement.reduce_op!r}) is not defined; "
-                    "reduce the tensor (redistribute to Replicate) before differentiating"
+                    f"the gradient of a Partial({placement.reduce_op!r}) tensor's local contribution is not "
+                    "defined; reduce the tensor (redistribute to Replicate) before differentiating"
                 )
-    return local
+    return count
+
+
+def _local_contribution_grad(grad: torch.Tensor, spec: ShardTensorSpec) -> torch.Tensor:
+    """A rank's slab gradient from the global-value gradient (the inverse of :func:`_global_value_grad`)."""
+    if not isinstance(grad, ShardTensor):
+        raise TypeError(f"expected a ShardTensor gradient, got {type(grad).__name__}")
+    local = redistribute_to_spec(grad, grad_target_spec(spec)).to_local()
+    averaged = _avg_axes_size(spec)
+    return local / averaged if averaged != 1 else local
+
+
+def _global_value_grad(local_grad: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
+    """The global-value gradient of a tensor of ``spec`` from the gradient of this rank's slab.
+
+    A slab of a Partial axis is a contribution to the pending reduction: the gradient of a sum
+    equals its contribution's, that of an average n times it.  The result is laid out in
+    ``grad_target_spec(spec)`` (Partial axes replicated).
+    """
+    averaged = _avg_axes_size(spec)
+    local = local_grad if averaged == 1 else local_grad * averaged
+    return ShardTensor(local.contiguous(), grad_target_spec(spec).replace())
 
 
 class _FromLocal(torch.autograd.Function):
@@ -169,7 +193,7 @@ class _ToLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return ShardTensor(grad.contiguous(), ctx.spec.replace())
+        return _global_value_grad(grad, ctx.spec)
 
 
 def to_local(tensor: ShardTensor) -> torch.Tensor:

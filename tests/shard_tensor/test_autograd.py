@@ -181,3 +181,103 @@ def _partial_gradient_is_replicated():
 
 def test_gradient_of_partial_reduction():
     run_on_ranks(2, _partial_gradient_is_replicated)
+
+
+# ----- round trips: from_local -> to_local and to_local -> from_local are the identity -------
+ROUND_TRIP_MESHES = [(2,), (3,), (2, 2)]
+
+
+def _rank_values(shape, salt: int) -> torch.Tensor:
+    """Values that differ between ranks (a rank's own contribution, its own cotangent)."""
+    return global_tensor(shape, seed=salt + 17 * dist.get_rank())
+
+
+def _from_local_to_local_is_identity(mesh_shape, shape):
+    """Each rank's slab gradient passes through unchanged, as under plain autograd (and DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = get_mesh(mesh_shape)
+    placements_checked = []
+    for placements in placement_combos(mesh.ndim, len(shape), partial_ops=("sum", "avg")):
+        local_shape = expected_local(global_tensor(shape), mesh, placements, mesh.get_coordinate()).shape
+        local = _rank_values(local_shape, 1).requires_grad_(True)
+        cotangent = _rank_values(local_shape, 2)
+        ShardTensor.from_local(local, mesh, placements).to_local().backward(cotangent)
+        assert torch.equal(local.grad, cotangent), placements
+        # DTensor 2.13 agrees (even shapes only: DTensor assumes the torch.chunk layout)
+        if all(shape[p.dim] % mesh.size(a) == 0 for a, p in enumerate(placements) if p.is_shard()):
+            d_local = local.detach().clone().requires_grad_(True)
+            DTensor.from_local(d_local, mesh, placements, run_check=False).to_local().backward(cotangent)
+            assert torch.equal(d_local.grad, local.grad), placements
+        placements_checked.append(placements)
+    return len(placements_checked)
+
+
+@pytest.mark.parametrize("shape_kind", ["even", "uneven"])
+@pytest.mark.parametrize("mesh_shape", ROUND_TRIP_MESHES, ids=str)
+def test_from_local_then_to_local_is_identity_for_autograd(mesh_shape, shape_kind):
+    run_on_ranks(world_of(mesh_shape), _from_local_to_local_is_identity, mesh_shape, SHAPES[shape_kind])
+
+
+def _to_local_from_local_is_identity(mesh_shape, shape):
+    """Inserting ``from_local(x.to_local())`` anywhere changes no gradient."""
+    mesh = get_mesh(mesh_shape)
+    coordinate = mesh.get_coordinate()
+    w = global_tensor(shape, seed=3)
+    for placements in placement_combos(mesh.ndim, len(shape), partial_ops=("sum", "avg")):
+        slab = expected_local(global_tensor(shape), mesh, placements, coordinate)
+        sizes = {axis: [list(s.shape) for s in _slabs_along(shape, mesh, placements, axis)]
+                 for axis, p in enumerate(placements) if p.is_shard()}
+        own_cotangent = _rank_values(slab.shape, 4)
+        grads = []
+        for round_trip in (False, True):
+            leaf = slab.clone().requires_grad_(True)
+            x = ShardTensor.from_local(leaf, mesh, placements)
+            if round_trip:
+                x = ShardTensor.from_local(x.to_local(), mesh, placements, sharding_shapes=sizes)
+            # a function of the global value and a rank-specific use of the slab, together
+            loss = (x.full_tensor() * w).sum() + (x.to_local() * own_cotangent).sum()
+            loss.backward()
+            grads.append(leaf.grad)
+        torch.testing.assert_close(grads[1], grads[0], rtol=1e-6, atol=1e-6, msg=str(placements))
+    return True
+
+
+def _slabs_along(shape, mesh, placements, axis):
+    """The slab of every coordinate along mesh ``axis`` (this rank's coordinates elsewhere)."""
+    coordinate = list(mesh.get_coordinate())
+    slabs = []
+    for c in range(mesh.size(axis)):
+        coordinate[axis] = c
+        slabs.append(expected_local(global_tensor(shape), mesh, placements, coordinate))
+    return slabs
+
+
+@pytest.mark.parametrize("shape_kind", ["even", "uneven"])
+@pytest.mark.parametrize("mesh_shape", ROUND_TRIP_MESHES, ids=str)
+def test_to_local_then_from_local_is_identity_for_autograd(mesh_shape, shape_kind):
+    run_on_ranks(world_of(mesh_shape), _to_local_from_local_is_identity, mesh_shape, SHAPES[shape_kind])
+
+
+def _partial_round_trip_of_the_issue():
+    mesh = get_mesh((2,))
+    w = torch.randn(4, 3, requires_grad=True)
+    ShardTensor.from_local(w, mesh, [Partial()]).to_local().sum().backward()
+    assert torch.equal(w.grad, torch.ones(4, 3))  # plain autograd's answer (was 2.0: scaled by the world size)
+    return True
+
+
+def test_partial_round_trip_does_not_scale_the_gradient():
+    run_on_ranks(2, _partial_round_trip_of_the_issue)
+
+
+def _max_contribution_gradient_raises():
+    mesh = get_mesh((2,))
+    local = torch.randn(4, 3, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="Partial\\('max'\\)"):
+        ShardTensor.from_local(local, mesh, [Partial("max")]).to_local().sum().backward()
+    return True
+
+
+def test_gradient_of_a_max_contribution_raises_instead_of_guessing():
+    run_on_ranks(2, _max_contribution_gradient_raises)
