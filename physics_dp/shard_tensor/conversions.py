@@ -32,6 +32,7 @@ __all__ = [
     "to_dtensor",
     "replicate_plain",
     "distribute_tensor",
+    "keep_grad_layout",
 ]
 
 
@@ -317,3 +318,32 @@ def distribute_tensor(
     ]
     spec = ShardTensorSpec(mesh, placements, tensor.shape, axis_sizes)
     return redistribute_to_spec(replicate_plain(tensor, mesh), spec)
+
+
+class _KeepGradLayout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor: ShardTensor) -> ShardTensor:  # type: ignore[override]
+        ctx.target = grad_target_spec(tensor._spec)
+        return ShardTensor(tensor._local_tensor, tensor._spec)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        target = ctx.target
+        if not isinstance(grad, ShardTensor):
+            return grad  # e.g. the zeros autograd makes up for an op with no gradient (norm of order 0)
+        if grad._spec.placements == target.placements and grad._spec.axis_sizes == target.axis_sizes:
+            return grad
+        return redistribute_to_spec(grad, target.replace())
+
+
+def keep_grad_layout(tensor: ShardTensor) -> ShardTensor:
+    """Identity forward; backward moves the gradient into ``tensor``'s own layout.
+
+    For ops whose backward builds the gradient from a smaller replicated value (a reduction's
+    gradient is an expanded scalar): the gradient is cut to the slab right there, so nothing
+    upstream (and no leaf's ``.grad``) holds the global extent.  Not for views or in-place ops:
+    the result is a new tensor sharing the slab.
+    """
+    if _needs_autograd(tensor):
+        return _KeepGradLayout.apply(tensor)
+    return tensor
