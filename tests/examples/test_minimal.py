@@ -27,6 +27,7 @@ RUNS = [
     ("02_convolution.py", 3),
     ("03_attention.py", 2),
     ("04_custom_op.py", 2),
+    ("05_inverse_problem.py", 3),
 ]
 
 
