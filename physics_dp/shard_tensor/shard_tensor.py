@@ -8,6 +8,7 @@ the dispatcher; everything else reaches ``__torch_dispatch__`` below autograd.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -140,3 +141,10 @@ class ShardTensor(torch.Tensor):
 
 
 dispatch.bind_shard_tensor_class(ShardTensor)
+
+# Libraries that choose a backend from the first component of ``type(x).__module__`` (opt_einsum,
+# and tensorly through it) must see a torch tensor, not hand a ShardTensor to NumPy.  The alias
+# in ``sys.modules`` keeps ``inspect`` and qualified-name lookups of the class working.
+_TORCH_VISIBLE_MODULE = "torch.physics_dp_shard_tensor"
+sys.modules.setdefault(_TORCH_VISIBLE_MODULE, sys.modules[__name__])
+ShardTensor.__module__ = _TORCH_VISIBLE_MODULE
