@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..shard_tensor import Replicate, Shard, ShardTensor, ShardTensorSpec
 from ..shard_tensor.conversions import from_local_with_spec, to_local
+from ..shard_tensor.dtensor_params import is_dtensor_param, local_replica
 from .grad_sums import SumGradOverGroups
 
 __all__ = [
@@ -75,11 +76,13 @@ def local_param(param: torch.Tensor | None, like: ShardTensor, axes: Sequence[in
     Each rank's local compute yields only its slab's share of the parameter gradient; the
     backward sums those shares over ``axes`` (default: every axis that splits ``like``; an op
     whose own backward already sums over some of them passes the rest).  Replicated
-    ShardTensor parameters are accepted too.
+    ShardTensor and Replicate DTensor parameters are accepted too.
     """
     if param is None:
         return None
-    if isinstance(param, ShardTensor):
+    if is_dtensor_param(param):
+        param = local_replica(param)
+    elif isinstance(param, ShardTensor):
         if any(type(p) is not Replicate for p in param.placements):
             raise ShardedOpError("parameter", [param], "parameters must be plain tensors or replicated ShardTensors")
         param = to_local(param)

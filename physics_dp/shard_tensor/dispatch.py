@@ -154,12 +154,13 @@ def _replicate_plain_grad_tensors(args: tuple, kwargs: dict) -> tuple[tuple, dic
     if mesh is None or not needs_wrap:
         return args, kwargs
     from .conversions import replicate_plain
+    from .dtensor_params import is_dtensor_param, local_replica
 
     def wrap(value: Any) -> Any:
         if isinstance(value, (list, tuple)):
             return type(value)(wrap(v) for v in value)
         if isinstance(value, torch.Tensor) and not isinstance(value, cls) and value.requires_grad:
-            return replicate_plain(value, mesh)
+            return replicate_plain(local_replica(value) if is_dtensor_param(value) else value, mesh)
         return value
 
     return tuple(wrap(a) for a in args), {k: wrap(v) for k, v in kwargs.items()}
