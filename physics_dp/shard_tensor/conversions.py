@@ -159,7 +159,8 @@ def _global_value_grad(local_grad: torch.Tensor, spec: ShardTensorSpec) -> Shard
     """
     averaged = _avg_axes_size(spec)
     local = local_grad if averaged == 1 else local_grad * averaged
-    return ShardTensor(local.contiguous(), grad_target_spec(spec).replace())
+    # differentiable (from_local), so a double backward (create_graph=True) sees this step
+    return from_local_with_spec(local, grad_target_spec(spec).replace())
 
 
 class _FromLocal(torch.autograd.Function):
