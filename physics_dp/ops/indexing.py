@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
@@ -374,6 +375,7 @@ class _IndexSelectExchange(torch.autograd.Function):
         return torch.cat(received, dim).index_select(dim, plan.inverse)
 
     @staticmethod
+    @once_differentiable  # the exchange back is not differentiated: refuse a double backward
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         dim, plan = ctx.dim, ctx.plan
         unique_rows = sum(plan.recv_counts)
@@ -494,6 +496,7 @@ class _GatherExchange(torch.autograd.Function):
         return out.view(tuple(out_shape))
 
     @staticmethod
+    @once_differentiable  # the exchange back is not differentiated: refuse a double backward
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         plan = ctx.plan
         ordered = grad.reshape(-1)[plan.order]
@@ -631,6 +634,7 @@ class _MaskedSelectExchange(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the exchange back is not differentiated: refuse a double backward
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         plan = ctx.plan
         received = collectives.all_to_all_chunks(

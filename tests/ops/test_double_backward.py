@@ -17,10 +17,11 @@ TWICE_DIFFERENTIABLE = {
     "pointwise": lambda x: torch.tanh(x) * x,
     "reductions": lambda x: torch.sin(x) * x.mean(dim=2, keepdim=True) + x.sum() * 0.01,
     "views": lambda x: torch.tanh(x.flatten(2)).reshape(2, 3, 7, 6) * x,
+    "roll": lambda x: torch.roll(torch.tanh(x), 2, dims=2) * x,
     "conversions": lambda x: ShardTensor.from_local(torch.tanh(x.to_local()), x.device_mesh, x.placements)
     * x.redistribute(placements=[Replicate()]),
 }
-# Explicit backwards that communicate (halo exchanges, global statistics): refused.
+# Explicit backwards that communicate (halo exchanges, global statistics, index exchanges): refused.
 ONCE_DIFFERENTIABLE = {
     "conv": lambda x: torch.tanh(F.conv2d(x, WEIGHT, padding=1)),
     "conv_circular": lambda x: torch.tanh(F.conv2d(F.pad(x, (1, 1, 1, 1), mode="circular"), WEIGHT)),
@@ -28,6 +29,8 @@ ONCE_DIFFERENTIABLE = {
     "avg_pool": lambda x: F.avg_pool2d(torch.tanh(x), 2),
     "max_pool": lambda x: F.max_pool2d(x * x, 2),
     "interpolate": lambda x: F.interpolate(torch.tanh(x), scale_factor=2, mode="bilinear"),
+    "index_select": lambda x: torch.tanh(x).index_select(2, torch.tensor([0, 5, 3])),
+    "gather": lambda x: torch.tanh(x).gather(2, torch.zeros(2, 3, 7, 6, dtype=torch.long)),
 }
 
 
