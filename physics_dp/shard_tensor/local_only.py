@@ -61,11 +61,14 @@ def _map(value: Any, fn: Any) -> Any:
 def run_function_on_slabs(func: Any, args: tuple, kwargs: dict, like: ShardTensorSpec) -> Any:
     """``func`` on the slabs, differentiably: gradients flow through ``to_local`` and back."""
     from .conversions import from_local_exact, to_local
+    from .dtensor_params import is_dtensor_param, local_replica
 
     cls = _ShardTensor
 
     def unwrap(value: Any) -> Any:
-        return to_local(value) if isinstance(value, cls) else value
+        if isinstance(value, cls):
+            return to_local(value)
+        return local_replica(value) if is_dtensor_param(value) else value
 
     result = func(*(_map(a, unwrap) for a in args), **{k: _map(v, unwrap) for k, v in kwargs.items()})
 
