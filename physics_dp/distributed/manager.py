@@ -167,6 +167,7 @@ class DistributedManager:
         connected to rank 0's old store while it is being torn down.
         """
         if self._owns_process_group and dist.is_initialized():
+            _wait_for_peers()
             dist.destroy_process_group()
         self._shared_state.clear()
         self._reset()
@@ -207,3 +208,18 @@ class DistributedManager:
             f"world_size={self._world_size}, local_rank={self._local_rank}, device={self._device}, "
             f"backend={self._backend})"
         )
+
+
+def _wait_for_peers(timeout_s: float = 10.0) -> None:
+    """Before tearing gloo down, let every peer reach the same point (bounded: a peer may be gone).
+
+    Destroying a gloo process group while a peer still drains its last collective or p2p message
+    from this rank intermittently aborts one or both processes at exit ("terminate called without
+    an active exception"), after all work succeeded.
+    """
+    if dist.get_backend() != "gloo" or dist.get_world_size() == 1:
+        return
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+    except RuntimeError:
+        pass  # a peer failed or left: tearing down is all that is left to do
