@@ -33,7 +33,9 @@ def _shard_to_replicate(local: torch.Tensor, dim: int, sizes: Sequence[int], gro
 
 
 def _replicate_to_shard(local: torch.Tensor, dim: int, sizes: Sequence[int], coord: int) -> torch.Tensor:
-    return local.narrow(dim, _offsets(sizes)[coord], sizes[coord]).contiguous()
+    """This rank's rows in storage of their own: a view would keep the whole replicated tensor
+    alive (a slab of dim 0 is a contiguous view) and alias it for in-place updates."""
+    return local.narrow(dim, _offsets(sizes)[coord], sizes[coord]).clone(memory_format=torch.contiguous_format)
 
 
 def _reshard_same_dim(

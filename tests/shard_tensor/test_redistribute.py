@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from physics_dp.distributed.collectives import count_communication
-from physics_dp.shard_tensor import Replicate, Shard, ShardTensor, scatter_tensor
+from physics_dp.shard_tensor import Replicate, Shard, ShardTensor, distribute_tensor, scatter_tensor
 from physics_dp.testing import get_mesh, run_on_ranks
 
 from ._cases import MESHES, SHAPES, expected_local, global_tensor, placement_combos, world_of
@@ -174,3 +174,25 @@ def _disagreeing_explicit_shapes(case: str) -> str:
 def test_explicit_sharding_shapes_are_checked_on_every_rank(case, needle):
     messages = run_on_ranks(2, _disagreeing_explicit_shapes, case)
     assert messages[0] == messages[1] and needle in messages[0], messages
+
+
+def _slab_owns_its_storage() -> list[int]:
+    """distribute_tensor's slab is a copy of its rows, for every sharded dim: the global tensor can
+    be freed (memory per rank ~1/N) and in-place updates of the slab leave the caller's tensor alone."""
+    mesh = get_mesh((2,))
+    sizes = []
+    for dim in range(3):
+        full = torch.arange(6 * 4 * 5, dtype=torch.float32).view(6, 4, 5)
+        slab = distribute_tensor(full, mesh, [Shard(dim)]).to_local()
+        assert slab.untyped_storage().data_ptr() != full.untyped_storage().data_ptr(), dim
+        slab.add_(1000)
+        assert torch.equal(full, torch.arange(6 * 4 * 5, dtype=torch.float32).view(6, 4, 5)), dim
+        sizes.append(slab.untyped_storage().nbytes())
+    return sizes
+
+
+def test_distributed_slab_owns_its_storage():
+    # float32 slabs of a (6, 4, 5) tensor split over 2 ranks along dims 0, 1 and 2 (5 -> 3 + 2)
+    rank0, rank1 = run_on_ranks(2, _slab_owns_its_storage)
+    assert rank0 == [3 * 4 * 5 * 4, 6 * 2 * 5 * 4, 6 * 4 * 3 * 4]
+    assert rank1 == [3 * 4 * 5 * 4, 6 * 2 * 5 * 4, 6 * 4 * 2 * 4]
