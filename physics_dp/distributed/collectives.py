@@ -196,16 +196,17 @@ def start_exchange(
     """
     ops = []
     received: dict[int, torch.Tensor] = {}
-    for peer, tensor in sends.items():
-        if tensor.numel():
-            payload = tensor.contiguous()
-            _record("p2p", _nbytes(payload))
-            ops.append(dist.P2POp(dist.isend, payload, group=group, group_peer=peer))
+    # receives are posted first, so a peer's message lands in its buffer as it arrives
     for peer, shape in recv_shapes.items():
         buffer = torch.empty(tuple(shape), dtype=dtype, device=device)
         received[peer] = buffer
         if buffer.numel():
             ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=peer))
+    for peer, tensor in sends.items():
+        if tensor.numel():
+            payload = tensor.contiguous()
+            _record("p2p", _nbytes(payload))
+            ops.append(dist.P2POp(dist.isend, payload, group=group, group_peer=peer))
     requests = dist.batch_isend_irecv(ops) if ops else []
     return PendingExchange(requests, received)
 
