@@ -129,6 +129,8 @@ CASES = {
     "bicubic_x0.5": (_up(scale_factor=0.5, mode="bicubic"), lambda h, w: (2, 3, h, w), hw),
     "bicubic_x2.5_x0.7": (_up(scale_factor=(2.5, 0.7), mode="bicubic"), lambda h, w: (1, 2, h, w), hw),
     "linear_x2.5": (_up(scale_factor=2.5, mode="linear"), lambda h, w: (2, 3, h), batch_and_length),
+    "linear_x2": (_up(scale_factor=2, mode="linear"), lambda h, w: (2, 3, h), batch_and_length),
+    "trilinear_x2_x1_x4": (_up(scale_factor=(2.0, 1.0, 4.0), mode="trilinear"), lambda h, w: (1, 2, h, w, 3), hw),
     "linear_align_size": (
         lambda h, w: nn.Upsample(size=2 * h - 1, mode="linear", align_corners=True),
         lambda h, w: (2, 3, h),
