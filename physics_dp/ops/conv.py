@@ -238,8 +238,8 @@ def _gather_sharded(local: torch.Tensor, x: ShardTensor, windows_by_dim: dict[in
 def _halo_conv_geometry(x: ShardTensor, bound: dict[str, Any], nd: int, padding: list[tuple[int, int]]) -> HaloConvGeometry | None:
     """The geometry of :mod:`.halo_conv`'s copy-free path, when the conv is eligible for it."""
     spatial_shards = [(axis, dim) for axis, dim in sharded_axes(x) if dim >= x.ndim - nd]
-    if len(spatial_shards) != 1 or any(left != right for left, right in padding):
-        return None
+    if x.ndim != nd + 2 or len(spatial_shards) != 1 or any(left != right for left, right in padding):
+        return None  # unbatched inputs, 2-D decompositions and asymmetric padding take the general path
     (axis, dim), i = spatial_shards[0], spatial_shards[0][1] - (x.ndim - nd)
     stride, dilation = per_dim(bound["stride"], nd), per_dim(bound["dilation"], nd)
     return eligible_geometry(

@@ -102,6 +102,7 @@ CASES = {
         lambda mesh: [Shard(0)] if mesh.ndim == 1 else [Shard(0), Replicate()],
     ),
     "conv2d_unbatched": (lambda: nn.Conv2d(3, 4, 3, stride=2, padding=1), lambda h, w: [(3, h, w)], _spatial(1, 2)),
+    "conv2d_unbatched_same": (lambda: nn.Conv2d(3, 4, 3, padding=1), lambda h, w: [(3, h, w)], _spatial(1, 2)),
     "conv_transpose2d_k3_s2_p1_op1": _grid(lambda: nn.ConvTranspose2d(3, 4, 3, stride=2, padding=1, output_padding=1)),
     "conv_transpose2d_output_size": _grid(UpsampleTo, n=1),
     "conv_transpose2d_k2_s2": _grid(lambda: nn.ConvTranspose2d(3, 4, 2, stride=2)),
