@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from . import local_only
-from .local_only import local_only_spec, run_aten_on_slabs, run_function_on_slabs
+from .local_only import RETURNS_VIEWS, local_only_spec, run_aten_on_slabs, run_function_on_slabs
 from .spec import contiguous_strides
 
 __all__ = [
@@ -172,9 +172,11 @@ def torch_function(cls: type, func: Any, types: tuple, args: tuple = (), kwargs:
     handler = _function_handlers.get(func)
     if handler is not None:
         like = local_only_spec(args, kwargs)
-        if like is not None:
-            return run_function_on_slabs(func, args, kwargs, like)
-        return handler(func, types, args, kwargs)
+        if like is None:
+            return handler(func, types, args, kwargs)
+        if func in RETURNS_VIEWS:  # torch's own composite: its aten views stay views for autograd
+            return run_default(func, args, kwargs)
+        return run_function_on_slabs(func, args, kwargs, like)
     # Below the handlers, tensor properties (``requires_grad``, ...) must not re-enter this
     # function: each re-entry costs microseconds, a third of a small op's overhead.
     with torch._C.DisableTorchFunctionSubclass():

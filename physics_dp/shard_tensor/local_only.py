@@ -17,7 +17,13 @@ import torch
 from .placements import Replicate, Shard
 from .spec import ShardTensorSpec
 
-__all__ = ["local_only_spec", "run_function_on_slabs", "run_aten_on_slabs"]
+__all__ = ["RETURNS_VIEWS", "local_only_spec", "run_function_on_slabs", "run_aten_on_slabs"]
+
+# Handled functions whose torch result is a view of an input.  Running them on the slabs through
+# to_local/from_local would hide that aliasing from autograd (an in-place update of the result
+# would change the input unseen), so on local-only layouts they take torch's own path, whose
+# aten view ops reach run_aten_on_slabs below autograd, which tracks views.
+RETURNS_VIEWS = frozenset({torch.Tensor.__getitem__})
 
 _ShardTensor: type | None = None
 

@@ -63,3 +63,25 @@ def test_one_rank_mesh_runs_plain_ops_with_no_collectives() -> None:
 def test_size_one_domain_axis_beside_a_replicated_axis_has_no_collectives() -> None:
     for counts in run_on_ranks(2, _no_communication, (2, 1), [Replicate(), Shard(2)]):
         assert counts == {"forward": 0, "backward": 0}
+
+
+def _slice_is_a_tracked_view() -> bool:
+    """On a one-rank mesh, x[...] is a view of x as in torch: an in-place update of the slice
+    changes x, and autograd sees it (the gradient equals plain torch's)."""
+    mesh = get_mesh((1,))
+    base = torch.randn(2, 3, 6, 4)
+    for source in (base, distribute_tensor(base, mesh, [Shard(2)])):
+        leaf = source.clone().requires_grad_(True)
+        x = leaf * 1.0
+        x[:, :, 1:3].mul_(5.0)
+        (x * x).sum().backward()
+        if source is base:
+            expected_value, expected_grad = x.detach(), leaf.grad
+        else:
+            torch.testing.assert_close(x.to_local().detach(), expected_value)
+            torch.testing.assert_close(leaf.grad.to_local(), expected_grad)
+    return True
+
+
+def test_a_slice_on_a_one_rank_mesh_is_a_view_autograd_tracks() -> None:
+    assert run_on_ranks(1, _slice_is_a_tracked_view) == [True]
