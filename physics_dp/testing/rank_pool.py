@@ -211,7 +211,10 @@ class _RankPool:
             return pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             self.processes[rank].join(0.5)
-            return False, f"worker process died (exit code {self.processes[rank].exitcode})"
+            message = f"worker process died (exit code {self.processes[rank].exitcode})"
+            with open(self._stack_file(rank)) as handle:  # what faulthandler wrote at the crash, if anything
+                crash = handle.read().strip()
+            return False, f"{message}\n{crash}" if crash else message
 
     def _fail(self, errors: dict[int, str], stuck: list[int], what: str, timeout: float) -> None:
         stacks = self._dump_stacks(stuck)
@@ -314,6 +317,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Connection, stack_
     stacks = open(stack_file, "w")  # kept open: faulthandler writes to its descriptor on SIGUSR1
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    faulthandler.enable(file=stacks, all_threads=True)  # a crash (SIGSEGV, abort) leaves its stacks there
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     os.environ.update(
         _THREAD_ENV,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import os
 import signal
@@ -125,6 +126,20 @@ def test_dead_worker_is_reported() -> None:
         run_on_ranks(2, _rank1_exits)
     assert time.perf_counter() - start < HANG_GUARD_S
     assert "exit code 7" in info.value.errors[1]
+
+
+def _rank1_crashes() -> None:
+    if dist.get_rank() == 1:
+        ctypes.string_at(0)  # a segmentation fault, as a crash inside a C++ kernel would be
+    dist.barrier()
+
+
+def test_crashed_worker_is_reported_with_its_stack() -> None:
+    with pytest.raises(RankFailure) as info:
+        run_on_ranks(2, _rank1_crashes)
+    message = info.value.errors[1]
+    assert "exit code -11" in message and "Segmentation fault" in message, message
+    assert "_rank1_crashes" in message  # the frame where it crashed
 
 
 def test_unpicklable_function_is_rejected_in_the_caller() -> None:
