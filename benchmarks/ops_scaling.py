@@ -45,7 +45,7 @@ class Case:
     dim: int
     halo: tuple[int, int]
     kind: str  # "compute" (target 1.15x the slab) or "memory" (target 1.3x)
-    build: Callable[[torch.Generator, tuple[int, ...]], tuple[Callable, list[torch.Tensor]]]
+    build: Callable[[torch.Generator, tuple[int, ...]], Callable]  # the op as a function of its input
     # attention: a rank's queries attend to every key, so its floor is the slab's queries
     # against the whole sequence, not the slab against itself
     slab_attends_to_all: bool = False
@@ -54,32 +54,32 @@ class Case:
 def _conv(weight_grad: bool) -> Callable:
     def build(gen: torch.Generator, shape: tuple[int, ...]):
         weight = (torch.randn(shape[1], shape[1], 3, 3, generator=gen) * 0.05).requires_grad_(weight_grad)
-        return (lambda t: F.conv2d(t, weight, padding=1)), [weight]
+        return lambda t: F.conv2d(t, weight, padding=1)
 
     return build
 
 
 def _conv_transpose(gen: torch.Generator, shape: tuple[int, ...]):
     weight = (torch.randn(shape[1], shape[1], 4, 4, generator=gen) * 0.05).requires_grad_(True)
-    return (lambda t: F.conv_transpose2d(t, weight, stride=2, padding=1)), [weight]
+    return lambda t: F.conv_transpose2d(t, weight, stride=2, padding=1)
 
 
 def _group_norm(gen: torch.Generator, shape: tuple[int, ...]):
     weight, bias = torch.ones(shape[1], requires_grad=True), torch.zeros(shape[1], requires_grad=True)
-    return (lambda t: F.group_norm(t, 8, weight, bias)), [weight, bias]
+    return lambda t: F.group_norm(t, 8, weight, bias)
 
 
 def _batch_norm(gen: torch.Generator, shape: tuple[int, ...]):
     weight, bias = torch.ones(shape[1], requires_grad=True), torch.zeros(shape[1], requires_grad=True)
-    return (lambda t: F.batch_norm(t, None, None, weight, bias, training=True)), [weight, bias]
+    return lambda t: F.batch_norm(t, None, None, weight, bias, training=True)
 
 
 def _layer_norm(gen: torch.Generator, shape: tuple[int, ...]):
-    return (lambda t: F.layer_norm(t, t.shape[1:])), []
+    return lambda t: F.layer_norm(t, t.shape[1:])
 
 
 def _plain(fn: Callable) -> Callable:
-    return lambda gen, shape: (fn, [])
+    return lambda gen, shape: fn
 
 
 def _attention(t: torch.Tensor) -> torch.Tensor:
@@ -145,7 +145,7 @@ def _whole_grid(cases: list[Case], threads: int, repeats: int) -> dict[str, floa
     for case in cases:
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(case.shape, generator=gen).requires_grad_(True)
-        fn, _ = case.build(gen, case.shape)
+        fn = case.build(gen, case.shape)
         results[case.name] = _median_time(lambda: _backward(fn(x)), repeats)
     return results
 
@@ -171,7 +171,7 @@ def _rank_worker(rank: int, world: int, port: int, names: list[str], repeats: in
     for case in (c for c in CASES if c.name in names):
         gen = torch.Generator().manual_seed(0)
         full = torch.randn(case.shape, generator=gen)
-        fn, _ = case.build(gen, case.shape)
+        fn = case.build(gen, case.shape)
         sharded = distribute_tensor(full, mesh, [Shard(case.dim)]).detach().requires_grad_(True)
         slab = _slab_with_halo(full, case, list(balanced_sizes(case.shape[case.dim], world)), rank).requires_grad_(True)
 

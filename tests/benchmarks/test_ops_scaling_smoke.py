@@ -31,7 +31,7 @@ def test_every_op_family_has_a_case_that_runs_forward_and_backward() -> None:
         assert case.kind in bench.TARGETS
         small = case.shape[:2] + tuple(8 for _ in case.shape[2:])
         gen = torch.Generator().manual_seed(0)
-        fn, params = case.build(gen, small)
+        fn = case.build(gen, small)
         x = torch.randn(small, requires_grad=True)
         fn(x).sum().backward()
         assert x.grad is not None and x.grad.shape == x.shape, case.name
