@@ -114,6 +114,12 @@ def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
     return None
 
 
+def _unit_last_stride(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The fused kernels, called directly, read the head dim as contiguous: a view with a strided
+    head dim (tokens flattened from a channels-first grid) gave garbage, silently."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
+
+
 def _block_forward(q, k, v, bias, scale, differentiable_lse: bool = False):
     """Attention of ``q`` over one key block: the block's output and per-row log-sum-exp.
 
@@ -121,6 +127,8 @@ def _block_forward(q, k, v, bias, scale, differentiable_lse: bool = False):
     has no gradient, so callers that differentiate through the lse get the explicit path.
     """
     kind = None if differentiable_lse else _fused(q, k, v, bias)
+    if kind is not None:
+        q, k, v = _unit_last_stride(q, k, v)
     if kind == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
         if bias is not None:
@@ -153,6 +161,8 @@ def _block_backward(grad_out, q, k, v, out, safe_lse, delta, bias, scale):
     """Gradients of one (queries x key block) pair given the GLOBAL output and log-sum-exp:
     with those, each block's softmax probabilities and correction term are exact."""
     kind = _fused(q, k, v, bias)
+    if kind is not None:
+        grad_out, q, k, v, out = _unit_last_stride(grad_out, q, k, v, out)
     if kind == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k, v, out, safe_lse[..., 0], 0.0, False, attn_mask=bias, scale=scale
