@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed import ProcessGroup
+
+from .tracing import is_tracing
 
 __all__ = [
     "CommRecord",
@@ -99,6 +102,9 @@ def all_to_all_chunks(
     dtype, device = ref.dtype, ref.device
     in_splits = [t.numel() for t in send]
     out_splits = [int(torch.Size(s).numel()) for s in recv_shapes]
+    if is_tracing():
+        received = _functional_all_to_all(torch.cat([piece.reshape(-1) for piece in send]), out_splits, in_splits, group)
+        return [p.view(tuple(s)) for p, s in zip(torch.split(received, out_splits), recv_shapes)]
     # each piece is written once, straight into the send buffer (strided pieces included)
     send_buffer = torch.empty(sum(in_splits), dtype=dtype, device=device)
     for piece, chunk in zip(send, torch.split(send_buffer, in_splits)):
@@ -136,6 +142,9 @@ def all_reduce(tensor: torch.Tensor, reduce_op: str, group: ProcessGroup) -> tor
     world = _group_size(group)
     if reduce_op not in _REDUCE_OPS:
         raise ValueError(f"unknown reduce op {reduce_op!r}; expected one of {sorted(_REDUCE_OPS)}")
+    if is_tracing() and world > 1:
+        out = funcol.all_reduce(tensor.contiguous(), "sum" if reduce_op == "avg" else reduce_op, group)
+        return out / world if reduce_op == "avg" else out
     out = tensor.contiguous().clone()
     if world == 1:
         return out
@@ -152,6 +161,12 @@ def gather_sizes(values: Sequence[int], group: ProcessGroup) -> list[list[int]]:
     mine = torch.tensor(list(values), dtype=torch.int64)
     if world == 1:
         return [mine.tolist()]
+    if is_tracing():
+        raise RuntimeError(
+            "slab sizes cannot be discovered inside torch.compile (they would be data in the graph): "
+            "state them (ShardTensor.from_local(..., sharding_shapes=...)) or build the ShardTensor outside "
+            "the compiled function"
+        )
     out = torch.empty(world * len(values), dtype=torch.int64)
     _record("all_gather_sizes", _nbytes(mine) * (world - 1))
     dist.all_gather_single(out, mine, group=group)
@@ -162,6 +177,8 @@ def broadcast(tensor: torch.Tensor, src_group_rank: int, group: ProcessGroup) ->
     """Broadcast in place from the group rank ``src_group_rank``."""
     if _group_size(group) == 1:
         return tensor
+    if is_tracing():
+        return funcol.broadcast(tensor, src_group_rank, group)
     if dist.get_rank(group) == src_group_rank:
         _record("broadcast", _nbytes(tensor) * (_group_size(group) - 1))
     dist.broadcast(tensor, group_src=src_group_rank, group=group)
@@ -189,11 +206,14 @@ def start_exchange(
     *,
     dtype: torch.dtype,
     device: torch.device,
+    anchor: torch.Tensor | None = None,
 ) -> PendingExchange:
     """Start a point-to-point exchange keyed by group rank (see ``exchange_with_neighbours``).
 
     Returning before completion lets ring algorithms compute on one block while the next travels.
     """
+    if is_tracing():
+        return _traced_exchange(sends, recv_shapes, group, dtype=dtype, device=device, anchor=anchor)
     ops = []
     received: dict[int, torch.Tensor] = {}
     # receives are posted first, so a peer's message lands in its buffer as it arrives
@@ -211,6 +231,45 @@ def start_exchange(
     return PendingExchange(requests, received)
 
 
+def _functional_all_to_all(flat: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """``all_to_all_single`` of a 1-D tensor through functional collectives (complex as real pairs)."""
+    if not flat.dtype.is_complex:
+        return funcol.all_to_all_single(flat, out_splits, in_splits, group)
+    pairs = funcol.all_to_all_single(
+        torch.view_as_real(flat).reshape(-1), [2 * n for n in out_splits], [2 * n for n in in_splits], group
+    )
+    return torch.view_as_complex(pairs.view(-1, 2))
+
+
+def _traced_exchange(
+    sends: dict[int, torch.Tensor],
+    recv_shapes: dict[int, Sequence[int]],
+    group: ProcessGroup | None,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    anchor: torch.Tensor | None,
+) -> PendingExchange:
+    """A point-to-point exchange as one functional ``all_to_all_single`` (traceable by torch.compile).
+
+    Every rank of ``group`` takes part in the exchange patterns physics_dp uses (halos, rings),
+    so each rank joining one all-to-all with empty pieces for non-peers matches the messages.
+    A rank that sends nothing still sends an empty slice of ``anchor`` (the op's input): without
+    that data dependency the partitioner may hoist a backward exchange that only receives into
+    the forward graph on that rank alone, and the ranks' collectives would no longer pair up.
+    """
+    group = group if group is not None else dist.group.WORLD
+    world = _group_size(group)
+    in_splits = [sends[j].numel() if j in sends else 0 for j in range(world)]
+    out_splits = [int(torch.Size(recv_shapes[j]).numel()) if j in recv_shapes else 0 for j in range(world)]
+    pieces = [sends[j].reshape(-1).to(dtype) for j in range(world) if in_splits[j]]
+    if not pieces:
+        pieces = [anchor.reshape(-1)[:0].to(dtype) if anchor is not None else torch.empty(0, dtype=dtype, device=device)]
+    payload = torch.cat(pieces)
+    received = torch.split(_functional_all_to_all(payload, out_splits, in_splits, group), out_splits)
+    return PendingExchange([], {j: received[j].view(tuple(recv_shapes[j])) for j in recv_shapes})
+
+
 def exchange_with_neighbours(
     sends: dict[int, torch.Tensor],
     recv_shapes: dict[int, Sequence[int]],
@@ -218,10 +277,11 @@ def exchange_with_neighbours(
     *,
     dtype: torch.dtype,
     device: torch.device,
+    anchor: torch.Tensor | None = None,
 ) -> dict[int, torch.Tensor]:
     """Point-to-point exchange keyed by group rank: send ``sends[peer]``, receive ``recv_shapes[peer]``.
 
     Empty messages are skipped on both sides (both sides know the sizes), so a zero-width
     halo costs nothing.
     """
-    return start_exchange(sends, recv_shapes, group, dtype=dtype, device=device).wait()
+    return start_exchange(sends, recv_shapes, group, dtype=dtype, device=device, anchor=anchor).wait()

@@ -365,3 +365,5 @@ def _pad_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
 for _func in _CONVS:
     ShardTensor.register_function_handler(_func, _conv_handler)
 ShardTensor.register_function_handler(F.pad, _pad_handler)
+# torch.compile records F.pad as the builtin it wraps; the traced call reaches the handler as that
+ShardTensor.register_function_handler(torch._C._nn.pad, _pad_handler)

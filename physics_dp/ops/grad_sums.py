@@ -26,6 +26,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from ..distributed import collectives
+from ..distributed.tracing import is_tracing
 
 __all__ = ["BUCKET_BYTES", "immediate_parameter_sums", "sum_over_groups", "SumGradOverGroups"]
 
@@ -119,7 +120,8 @@ class SumGradOverGroups(torch.autograd.Function):
     @staticmethod
     def forward(ctx, param: torch.Tensor, groups: tuple) -> torch.Tensor:  # type: ignore[override]
         ctx.groups = groups
-        ctx.deferrable = param.is_leaf and _immediate_depth == 0
+        # a compiled backward is traced ahead of time: no end-of-pass callback can run inside it
+        ctx.deferrable = param.is_leaf and _immediate_depth == 0 and not is_tracing()
         ctx.param = param if ctx.deferrable else None
         return param.view_as(param)
 

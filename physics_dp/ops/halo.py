@@ -26,6 +26,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
+from ..distributed.tracing import is_tracing
 from ..shard_tensor import ShardTensorSpec
 
 __all__ = [
@@ -227,10 +228,10 @@ def _exchange(
     group: ProcessGroup | None,
     like: torch.Tensor,
 ) -> dict[int, torch.Tensor]:
-    if not sends and not recv_shapes:
+    if not sends and not recv_shapes and not is_tracing():  # traced, every rank joins the one all-to-all
         return {}
     dtype, device = like.dtype, like.device
-    return collectives.exchange_with_neighbours(dict(sends), dict(recv_shapes), group, dtype=dtype, device=device)
+    return collectives.exchange_with_neighbours(dict(sends), dict(recv_shapes), group, dtype=dtype, device=device, anchor=like)
 
 
 def _segment_rows(piece: torch.Tensor, dim: int, segment: Segment) -> torch.Tensor:

@@ -75,7 +75,9 @@ def _exchange_rows(local: torch.Tensor, geometry: HaloConvGeometry) -> collectiv
     if geometry.has_next:
         sends[me + 1] = local.narrow(dim, extent - r, r)
         recv_shapes[me + 1] = _with_rows(local.shape, dim, r)
-    return collectives.start_exchange(sends, recv_shapes, geometry.group, dtype=local.dtype, device=local.device)
+    return collectives.start_exchange(
+        sends, recv_shapes, geometry.group, dtype=local.dtype, device=local.device, anchor=local
+    )
 
 
 def _received(pending: collectives.PendingExchange, geometry: HaloConvGeometry) -> tuple[torch.Tensor | None, torch.Tensor | None]:

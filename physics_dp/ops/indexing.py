@@ -30,6 +30,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
+from ..distributed.tracing import is_tracing
 from ..shard_tensor import Placement, Replicate, Shard, ShardTensor, ShardTensorSpec, balanced_sizes
 from ..shard_tensor.conversions import distribute_tensor, from_local_with_spec, redistribute_to_spec, to_local
 from ..shard_tensor.dispatch import run_default
@@ -261,7 +262,7 @@ def move_rows(
         elif piece.dst == me:
             recv_rows[piece.src] = recv_rows.get(piece.src, 0) + piece.length
     received: dict[int, torch.Tensor] = {}
-    if sends or recv_rows:
+    if sends or recv_rows or is_tracing():  # traced, every rank joins the one all-to-all
         shape = list(ref.shape)
         recv_shapes = {peer: [*shape[:dim], rows, *shape[dim + 1 :]] for peer, rows in recv_rows.items()}
         received = collectives.exchange_with_neighbours(
@@ -270,6 +271,7 @@ def move_rows(
             group,
             dtype=ref.dtype,
             device=ref.device,
+            anchor=ref,
         )
     taken = {peer: 0 for peer in received}
     chunks = []

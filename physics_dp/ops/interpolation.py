@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..distributed.tracing import graph_constant, outside_trace
 from ..shard_tensor import ShardTensor
 from ._args import bind
 from ._local import ShardedOpError, local_input, sharded_axes, wrap_local
@@ -160,12 +161,12 @@ def _split(taps: Taps, dim: int, axis: int | None, sizes: tuple[int, ...], me: i
 
 def resample(window: torch.Tensor, dim: int, taps: Taps, first: int, count: int, origin: int) -> torch.Tensor:
     """Outputs ``first .. first+count`` along ``dim`` from ``window``, whose row 0 is global row ``origin``."""
-    rows = (taps.rows[first:first + count] - origin).to(window.device)  # taps are planned on the CPU
+    rows = graph_constant(taps.rows[first:first + count] - origin, window.device)  # taps are planned on the CPU
     if taps.weights is None:
         return window.index_select(dim, rows[:, 0])
     shape = [1] * window.ndim
     shape[dim] = count
-    weights = taps.weights[first:first + count].to(device=window.device, dtype=window.dtype)
+    weights = graph_constant(taps.weights[first:first + count], window.device).to(window.dtype)
     out = window.index_select(dim, rows[:, 0]) * weights[:, 0].view(shape)
     for tap in range(1, rows.shape[1]):
         out = out + window.index_select(dim, rows[:, tap]) * weights[:, tap].view(shape)
@@ -229,10 +230,11 @@ def _resize(x: ShardTensor, bound: dict[str, Any], out_shape: torch.Size) -> Sha
     mode, align_corners = bound["mode"], bool(bound["align_corners"])
     dtype, vectorized = _coordinate_dtype(x.dtype), uses_vectorized_nearest(x, out_shape)
     plans = []
-    for dim, scale in zip(range(2, x.ndim), _scales(bound, nd)):
-        axis, sizes, me = dim_split(x, dim)
-        taps = dim_taps(x.shape[dim], out_shape[dim], mode, align_corners, scale, dtype, vectorized)
-        plans.append((_split(taps, dim, axis, sizes, me), taps))
+    with outside_trace():
+        for dim, scale in zip(range(2, x.ndim), _scales(bound, nd)):
+            axis, sizes, me = dim_split(x, dim)
+            taps = dim_taps(x.shape[dim], out_shape[dim], mode, align_corners, scale, dtype, vectorized)
+            plans.append((_split(taps, dim, axis, sizes, me), taps))
     splits = [split for split, _ in plans]
     local = gather_inside(local_input(x), x, splits)
     factors = _native_factors(x, bound, out_shape)

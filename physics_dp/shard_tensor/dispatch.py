@@ -169,6 +169,23 @@ def _replicate_plain_grad_tensors(args: tuple, kwargs: dict) -> tuple[tuple, dic
 def torch_function(cls: type, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
     if kwargs is None:
         kwargs = {}
+    if torch.compiler.is_dynamo_compiling():
+        return _traced_torch_function(func, types, args, kwargs)
+    return _eager_torch_function(func, types, args, kwargs)
+
+
+@torch.compiler.allow_in_graph
+def _traced_torch_function(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
+    """Under Dynamo, each ShardTensor op is one opaque call in the graph.
+
+    Dynamo cannot build tensor subclasses while it traces, so it records the call instead, and
+    AOTAutograd traces through it below: the handlers, their autograd Functions and their
+    (then functional) collectives become ATen ops of the forward and backward graphs.
+    """
+    return _eager_torch_function(func, types, args, kwargs)
+
+
+def _eager_torch_function(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
     handler = _function_handlers.get(func)
     if handler is not None:
         like = local_only_spec(args, kwargs)

@@ -53,6 +53,16 @@ class ShardTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"ShardTensor(local={self._local_tensor!r}, spec={self._spec!r}, requires_grad={self.requires_grad})"
 
+    # ----- torch.compile: the slab is the one inner tensor, the spec is static metadata --------
+    def __tensor_flatten__(self) -> tuple[list[str], ShardTensorSpec]:
+        return ["_local_tensor"], self._spec
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner_tensors: dict[str, torch.Tensor], spec: ShardTensorSpec, outer_size: Any, outer_stride: Any
+    ) -> ShardTensor:
+        return ShardTensor(inner_tensors["_local_tensor"], spec)
+
     def __reduce_ex__(self, protocol: int):  # type: ignore[override]
         raise TypeError(
             "a ShardTensor cannot be pickled (it lives on a device mesh); pickle .full_tensor() or .to_local() instead"
@@ -148,3 +158,5 @@ dispatch.bind_shard_tensor_class(ShardTensor)
 _TORCH_VISIBLE_MODULE = "torch.physics_dp_shard_tensor"
 sys.modules.setdefault(_TORCH_VISIBLE_MODULE, sys.modules[__name__])
 ShardTensor.__module__ = _TORCH_VISIBLE_MODULE
+# Dynamo resolves a class through its module as an attribute path from ``torch``.
+setattr(torch, _TORCH_VISIBLE_MODULE.split(".", 1)[1], sys.modules[__name__])

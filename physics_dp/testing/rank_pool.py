@@ -212,8 +212,11 @@ class _RankPool:
         except (EOFError, OSError):
             self.processes[rank].join(0.5)
             message = f"worker process died (exit code {self.processes[rank].exitcode})"
-            with open(self._stack_file(rank)) as handle:  # what faulthandler wrote at the crash, if anything
-                crash = handle.read().strip()
+            try:  # what faulthandler wrote at the crash, if the worker got as far as opening the file
+                with open(self._stack_file(rank)) as handle:
+                    crash = handle.read().strip()
+            except FileNotFoundError:
+                crash = "(it died before it could record stacks: see its stderr above)"
             return False, f"{message}\n{crash}" if crash else message
 
     def _fail(self, errors: dict[int, str], stuck: list[int], what: str, timeout: float) -> None:

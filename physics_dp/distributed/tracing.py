@@ -1,0 +1,50 @@
+"""Whether torch.compile is tracing right now: eager c10d calls cannot be recorded into a graph.
+
+While Dynamo, AOTAutograd or ``make_fx`` trace, tensors are fake or proxied and a c10d call
+would run (or hang) at trace time instead of becoming part of the graph; the collectives then
+go through PyTorch's functional collectives, which trace.  The checks read torch's dispatch
+state (private API), so they live here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.utils._python_dispatch import _disable_current_modes
+
+__all__ = ["is_tracing", "outside_trace", "graph_constant"]
+
+
+def is_tracing() -> bool:
+    """True under Dynamo, under a fake-tensor mode, or under a proxy (``make_fx``/AOTAutograd) trace."""
+    if torch.compiler.is_compiling():
+        return True
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        return True
+    if torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PythonDispatcher):
+        return True
+    return get_proxy_mode() is not None
+
+
+@contextlib.contextmanager
+def outside_trace() -> Iterator[None]:
+    """Run plain planning code (index tables from integer sizes) eagerly, even inside a trace.
+
+    Plans are cached across calls; built under a fake mode they would hold fake tensors, and
+    cached real tensors cannot meet fake ones.  So plans are always built on real tensors.
+    """
+    with _disable_current_modes():
+        yield
+
+
+def graph_constant(planned: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A planned (real, CPU) tensor as used by an op: moved to ``device``, or inside a trace
+    re-created from its values so that it becomes a constant of the graph."""
+    if not is_tracing():
+        return planned.to(device)
+    with outside_trace():
+        values = planned.tolist()
+    return torch.tensor(values, dtype=planned.dtype, device=device)
