@@ -136,6 +136,8 @@ class TrainingConfig:
     grad_accumulation: int = 1
     grad_clip: Optional[float] = 1.0
     precision: str = "fp32"  # fp32 | bf16
+    compile: bool = False  # torch.compile the model (training steps, validation and inference)
+    compile_backend: str = "inductor"  # inductor | aot_eager | eager (torch.compile backends)
     seed: int = 0
     checkpoint_interval: int = 50
     validation_interval: int = 50
@@ -198,6 +200,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "schedule.name": ("constant", "cosine", "linear"),
     "training.stage": ("regression", "diffusion", "both"),
     "training.precision": ("fp32", "bf16"),
+    "training.compile_backend": ("inductor", "aot_eager", "eager"),
     "logging.wandb_mode": ("disabled", "offline", "online"),
 }
 _POSITIVE_INTS = (

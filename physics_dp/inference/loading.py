@@ -17,6 +17,7 @@ from torch import nn
 
 from ..config import TrainConfig, validate
 from ..models import grid_multiple
+from ..nn import compile_in_place
 from ..recipes import Channels, DiffusionTask, RegressionTask, ResidualDiffusionTask
 from ..training.task import Task
 from ..training.trainer import check_grid_fits
@@ -37,12 +38,19 @@ def load_run_config(run_dir: Path, overrides: Sequence[str] = ()) -> DictConfig:
     return cfg  # type: ignore[return-value]
 
 
-def _load(model: nn.Module, path: Path, device: torch.device) -> nn.Module:
+def _load(model: nn.Module, path: Path, device: torch.device, compile_backend: str | None) -> nn.Module:
     try:
         model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
     except RuntimeError as error:
         raise ValueError(f"{path} does not fit the model the run's config.yaml builds (was the config edited?): {error}") from None
-    return model.eval().requires_grad_(False).to(device)
+    model = model.eval().requires_grad_(False).to(device)
+    return compile_in_place(model, compile_backend) if compile_backend else model
+
+
+def _compile_backend(cfg: DictConfig) -> str | None:
+    """``training.compile`` of the run (or of an override): inference compiles as training did."""
+    training = cfg.training
+    return training.get("compile_backend", "inductor") if training.get("compile", False) else None
 
 
 @dataclass
@@ -70,7 +78,7 @@ def load_predictor(
     StormCast: regression mean plus a diffusion residual when ``diffusion/model.pt`` exists, else the
     regression alone. Diffusion recipe: the (conditional or unconditional) diffusion model.
     """
-    run_dir, device = Path(run_dir), torch.device(device)
+    run_dir, device, backend = Path(run_dir), torch.device(device), _compile_backend(cfg)
     diffusion_path = run_dir / "diffusion" / "model.pt"
     arch = cfg.model.diffusion.architecture
     diffusion_multiple = grid_multiple(arch, dict(cfg.model.diffusion[arch]))
@@ -79,7 +87,7 @@ def load_predictor(
             raise FileNotFoundError(f"{diffusion_path} does not exist; the diffusion recipe's training did not finish exporting it")
         check_grid_fits(grid[0], domain_size, diffusion_multiple)
         task = DiffusionTask(cfg.model, channels, grid, cfg.sampling)
-        return Predictor(task, _load(task.build_model(), diffusion_path, device), stochastic=True, rolls_out=False)
+        return Predictor(task, _load(task.build_model(), diffusion_path, device, backend), stochastic=True, rolls_out=False)
     regression_path = Path(cfg.training.regression_weights or run_dir / "regression" / "model.pt")
     if not regression_path.is_file():
         raise FileNotFoundError(
@@ -88,9 +96,9 @@ def load_predictor(
         )
     check_grid_fits(grid[0], domain_size, grid_multiple("unet", dict(cfg.model.regression)))
     regression = RegressionTask(cfg.model, channels, grid)
-    regression_model = _load(regression.build_model(), regression_path, device)
+    regression_model = _load(regression.build_model(), regression_path, device, backend)
     if not diffusion_path.is_file():
         return Predictor(regression, regression_model, stochastic=False, rolls_out=True)
     check_grid_fits(grid[0], domain_size, diffusion_multiple)
     residual = ResidualDiffusionTask(cfg.model, channels, grid, regression_model, cfg.sampling)
-    return Predictor(residual, _load(residual.build_model(), diffusion_path, device), stochastic=True, rolls_out=True)
+    return Predictor(residual, _load(residual.build_model(), diffusion_path, device, backend), stochastic=True, rolls_out=True)

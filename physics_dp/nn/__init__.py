@@ -1,5 +1,6 @@
 """Module-level parallelism: replicas synced over the mesh, gradients reduced once, FSDP2/DDP on top."""
 
+from .compile import compile_in_place
 from .losses import masked_mean, replicated_value
 from .fsdp_adapter import FSDPOutputTensorAdapter, distribute_over_domain_for_fsdp, wrap_for_fsdp
 from .module_sync import all_reduce_gradients, distribute_module, sync_module_over_mesh
@@ -9,6 +10,7 @@ __all__ = [
     "FSDPOutputTensorAdapter",
     "ParallelModel",
     "all_reduce_gradients",
+    "compile_in_place",
     "data_size",
     "distribute_module",
     "distribute_over_domain_for_fsdp",

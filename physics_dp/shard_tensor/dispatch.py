@@ -170,19 +170,31 @@ def torch_function(cls: type, func: Any, types: tuple, args: tuple = (), kwargs:
     if kwargs is None:
         kwargs = {}
     if torch.compiler.is_dynamo_compiling():
-        return _traced_torch_function(func, types, args, kwargs)
+        return _traced_torch_function(_traced_op_key(func), args, kwargs)
     return _eager_torch_function(func, types, args, kwargs)
+
+
+_traced_ops: dict[str, Any] = {}
+
+
+@torch.compiler.assume_constant_result  # Dynamo runs it while tracing and keeps the string
+def _traced_op_key(func: Any) -> str:
+    """A string naming ``func`` in this process: FX graphs cannot hold every kind of callable
+    (builtin methods among them) as an argument, but they hold strings."""
+    key = f"{getattr(func, '__qualname__', type(func).__name__)}@{id(func)}"
+    _traced_ops[key] = func
+    return key
 
 
 @torch.compiler.allow_in_graph
-def _traced_torch_function(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
+def _traced_torch_function(op_key: str, args: tuple, kwargs: dict) -> Any:
     """Under Dynamo, each ShardTensor op is one opaque call in the graph.
 
-    Dynamo cannot build tensor subclasses while it traces, so it records the call instead, and
-    AOTAutograd traces through it below: the handlers, their autograd Functions and their
-    (then functional) collectives become ATen ops of the forward and backward graphs.
+    Dynamo cannot build tensor subclasses while it traces, so it records this call instead, and
+    AOTAutograd traces through it below: the handlers, their autograd Functions and their (then
+    functional) collectives become ATen ops of the forward and backward graphs.
     """
-    return _eager_torch_function(func, types, args, kwargs)
+    return _eager_torch_function(_traced_ops[op_key], (_ShardTensor,), args, kwargs)
 
 
 def _eager_torch_function(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:

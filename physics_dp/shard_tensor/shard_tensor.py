@@ -63,6 +63,25 @@ class ShardTensor(torch.Tensor):
     ) -> ShardTensor:
         return ShardTensor(inner_tensors["_local_tensor"], spec)
 
+    def __coerce_same_metadata_as_tangent__(self, expected: ShardTensorSpec, expected_type: type | None = None) -> ShardTensor | None:
+        """A compiled backward traced its tangent with ``expected``'s layout: match it (memory
+        order of the slab, or placements and split through a redistribution)."""
+        if expected_type is not None and expected_type is not type(self):
+            return None
+        if self._spec == expected:
+            return self
+        same_split = (self._spec.shape, self._spec.placements, self._spec.axis_sizes) == (
+            expected.shape, expected.placements, expected.axis_sizes
+        )
+        if not same_split:
+            from .conversions import redistribute_to_spec
+
+            return redistribute_to_spec(self, expected.replace()).__coerce_same_metadata_as_tangent__(expected)
+        order = sorted(range(self.ndim), key=lambda d: -expected.stride[d])  # outermost dim first
+        inverse = sorted(range(self.ndim), key=order.__getitem__)
+        local = self._local_tensor.permute(order).contiguous().permute(inverse)
+        return ShardTensor(local, expected)
+
     def __reduce_ex__(self, protocol: int):  # type: ignore[override]
         raise TypeError(
             "a ShardTensor cannot be pickled (it lives on a device mesh); pickle .full_tensor() or .to_local() instead"

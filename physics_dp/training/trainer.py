@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..data import collate
 from ..diffusion import derive_seed
 from ..distributed import DistributedManager, collectives
-from ..nn import ParallelModel, domain_mesh, parallelize
+from ..nn import ParallelModel, compile_in_place, domain_mesh, parallelize
 from ..nn.losses import replicated_value
 from .checkpoint import Checkpointer, export_state_dict
 from .data_setup import DataBundle, shard_batch
@@ -145,6 +145,8 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.training
         torch.manual_seed(t.seed)  # identical initial weights on every rank (synced anyway)
         parallel = parallelize(self.task.build_model().to(self.device), self.mesh, cfg.parallel.data_parallel, t.precision)
+        if t.compile:
+            compile_in_place(parallel.model, t.compile_backend)
         optimizer = build_optimizer(cfg.optim, parallel.model.parameters())
         scheduler = build_scheduler(cfg.schedule, optimizer, t.max_steps)
         checkpoints = Checkpointer(self.stage_dir / "checkpoints", keep=t.keep_checkpoints)
