@@ -251,3 +251,23 @@ def test_diffusion_recipe_samples_each_time_on_any_layout(stormcast_run, tmp_pat
         assert dict(ds["v10m"].sizes) == {"time": 2, "ensemble": 2, "y": 32, "x": 48}
         assert (np.diff(ds["time"].values) == np.timedelta64(1, "h")).all()
     assert all(math.isfinite(v) for values in sharded["scores"]["crps"].values() for v in values)
+
+
+def _infer_counting_graphs(tokens: list[str]) -> dict:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    result = _infer(tokens)
+    return {**result, "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}
+
+
+def test_compiled_inference_equals_eager(stormcast_run, forecasts, tmp_path):
+    """training.compile=true (given at inference) compiles the models and forecasts what eager does."""
+    tokens = [f"run_dir={stormcast_run}", f"out={tmp_path}", *FORECAST, "training.compile=true", "training.compile_backend=aot_eager"]
+    per_rank = run_on_ranks(2, _infer_counting_graphs, tokens, timeout=300.0)
+    assert all(r["graphs"] >= 2 for r in per_rank), per_rank  # regression and diffusion models
+    eager = _fields(forecasts["domain"]["forecast"])
+    compiled = _fields(per_rank[0]["forecast"])
+    for name, values in eager.items():
+        assert np.abs(compiled[name] - values).max() < TOL * max(1.0, np.abs(values).max()), name
