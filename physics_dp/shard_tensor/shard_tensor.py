@@ -63,6 +63,17 @@ class ShardTensor(torch.Tensor):
     ) -> ShardTensor:
         return ShardTensor(inner_tensors["_local_tensor"], spec)
 
+    def _stable_hash_for_caching(self) -> str:
+        """AOTAutograd's on-disk cache key for this input: the layout *and this rank's place in it*.
+
+        Ranks of one job share the cache directory, and the graph a rank traces depends on its
+        coordinate (which neighbours it exchanges with, which rows it owns); a key without it
+        let one rank load another's compiled graph (measured: mismatched collectives, an abort).
+        """
+        spec = self._spec
+        mesh = (spec.mesh.mesh.tolist(), spec.mesh.mesh_dim_names, spec.mesh.device_type, spec.mesh.get_coordinate())
+        return repr((mesh, spec.placements, tuple(spec.shape), spec.stride, spec.axis_sizes, str(self.dtype)))
+
     def __coerce_same_metadata_as_tangent__(self, expected: ShardTensorSpec, expected_type: type | None = None) -> ShardTensor | None:
         """A compiled backward traced its tangent with ``expected``'s layout: match it (memory
         order of the slab, or placements and split through a redistribution)."""

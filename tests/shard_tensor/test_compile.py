@@ -136,3 +136,17 @@ def test_fullgraph_compile_equals_eager(name: str, mesh_shape: tuple[int, ...]) 
 def test_inductor_compiles_the_conv_block_on_two_ranks() -> None:
     """Inductor's generated C++ (CPU) runs the sharded block; fp32 reassociation allows ~1e-6."""
     _check(run_on_ranks(2, _compiled_against_eager, "conv_groupnorm_silu_conv", (2,), "inductor", timeout=300), 1e-5)
+
+
+def _cache_keys() -> tuple[str, str]:
+    mesh = get_mesh((2,))
+    x = distribute_tensor(torch.zeros(2, 4, 8, 8), mesh, [Shard(2)])
+    return x._stable_hash_for_caching(), distribute_tensor(torch.zeros(2, 4, 8, 8), mesh, [Shard(2)])._stable_hash_for_caching()
+
+
+def test_compiled_graph_cache_keys_differ_between_ranks() -> None:
+    """Ranks share inductor's on-disk cache, but each traces its own graph (its neighbours, its rows):
+    the same layout must give each rank its own key, and the same key again on the same rank."""
+    (first_0, again_0), (first_1, again_1) = run_on_ranks(2, _cache_keys)
+    assert first_0 == again_0 and first_1 == again_1
+    assert first_0 != first_1
