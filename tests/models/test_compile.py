@@ -85,8 +85,6 @@ def _compiled_against_eager(name: str, mesh_shape: tuple[int, ...]) -> dict:
 @pytest.mark.parametrize("mesh_shape", [(1,), (2,), (3,), (2, 2)], ids=str)
 @pytest.mark.parametrize("name", ["stormcast_unet", "song_unet", "dit"])
 def test_fullgraph_compile_equals_eager(name: str, mesh_shape: tuple[int, ...]) -> None:
-    if name == "dit" and len(mesh_shape) > 1:
-        pytest.skip("the DiT's token flatten on a 2-D mesh needs issue 12's strided shard")
     for result in run_on_ranks(math.prod(mesh_shape), _compiled_against_eager, name, mesh_shape, timeout=300):
         assert result["graphs"] == [1, 1, 1], f"steps 2 and 3 recompiled: {result}"
         worst = max(result["diffs"].values())

@@ -68,7 +68,6 @@ BLOCKS: dict[str, Callable[[], nn.Module]] = {
     "views_and_linear": lambda: nn.Sequential(_Lambda(lambda x: x.permute(0, 2, 3, 1).flatten(1, 2)), nn.Linear(4, 6)),
     "attention": lambda: _Lambda(_attention),
 }
-ONE_D_ONLY = {"attention", "fft2", "views_and_linear"}  # token flattens and pencils on 1-D meshes
 
 
 def _placements(mesh_shape: tuple[int, ...]) -> list:
@@ -125,8 +124,6 @@ def _check(results: list[dict], atol: float = 1e-5) -> None:
 @pytest.mark.parametrize("mesh_shape", LAYOUTS, ids=str)
 @pytest.mark.parametrize("name", sorted(BLOCKS))
 def test_fullgraph_compile_equals_eager(name: str, mesh_shape: tuple[int, ...]) -> None:
-    if name in ONE_D_ONLY and len(mesh_shape) > 1:
-        pytest.skip("1-D decomposition only (the token flatten of a 2-D mesh is issue 12's strided shard)")
     world = 1
     for size in mesh_shape:
         world *= size
