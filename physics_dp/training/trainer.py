@@ -146,12 +146,6 @@ class Trainer:
         torch.manual_seed(t.seed)  # identical initial weights on every rank (synced anyway)
         parallel = parallelize(self.task.build_model().to(self.device), self.mesh, cfg.parallel.data_parallel, t.precision)
         if t.compile:
-            if cfg.parallel.data_parallel == "fsdp":
-                log.warning(
-                    "training.compile with parallel.data_parallel=fsdp: Dynamo does not trace FSDP2's hooks, so the "
-                    "model compiles in pieces between them (past Dynamo's recompile limit, partly not at all); with "
-                    "one data replica, parallel.data_parallel=none compiles whole graphs"
-                )
             compile_in_place(parallel.model, t.compile_backend)
         optimizer = build_optimizer(cfg.optim, parallel.model.parameters())
         scheduler = build_scheduler(cfg.schedule, optimizer, t.max_steps)
