@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..distributed import collectives
+from ..distributed.tracing import is_tracing
 from .placements import Partial, Placement, Replicate, Shard, normalize_placements
 from .redistribute import grad_target_spec, redistribute_local
 from .shard_tensor import ShardTensor
@@ -104,7 +105,9 @@ def spec_from_local(
             if axis not in sharding_shapes:
                 raise ValueError(f"sharding_shapes has no entry for sharded mesh axis {axis}")
             axis_sizes[axis] = tuple(int(s[dim]) for s in sharding_shapes[axis])
-            _check_sizes_agree(axis_sizes[axis], local.shape[dim], mesh, axis)
+            if not is_tracing():  # a compiled graph cannot hold this check's data-dependent raise;
+                # there only this rank's slab is checked against its size, below
+                _check_sizes_agree(axis_sizes[axis], local.shape[dim], mesh, axis)
             shape[dim] = sum(axis_sizes[axis])
     else:
         raise ValueError(f'sharding_shapes must be "infer", "chunk" or a dict, got {sharding_shapes!r}')

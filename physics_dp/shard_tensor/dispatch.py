@@ -14,6 +14,7 @@ Order of decisions, cheapest first:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -174,16 +175,26 @@ def torch_function(cls: type, func: Any, types: tuple, args: tuple = (), kwargs:
     return _eager_torch_function(func, types, args, kwargs)
 
 
-_traced_ops: dict[str, Any] = {}
+_traced_constants: dict[str, Any] = {}
+_constant_ids = itertools.count()
 
 
 @torch.compiler.assume_constant_result  # Dynamo runs it while tracing and keeps the string
-def _traced_op_key(func: Any) -> str:
-    """A string naming ``func`` in this process: FX graphs cannot hold every kind of callable
-    (builtin methods among them) as an argument, but they hold strings."""
-    key = f"{getattr(func, '__qualname__', type(func).__name__)}@{id(func)}"
-    _traced_ops[key] = func
+def traced_constant_key(value: Any) -> str:
+    """A string naming ``value`` (an op, a mesh and placements, ...) in this process: FX graphs
+    cannot hold every kind of Python object (builtin methods, device meshes) as an argument,
+    but they hold strings; :func:`traced_constant` gives the object back inside the call."""
+    key = f"{type(value).__name__}#{next(_constant_ids)}"  # never reused: a graph keeps its key
+    _traced_constants[key] = value
     return key
+
+
+def traced_constant(key: str) -> Any:
+    return _traced_constants[key]
+
+
+def _traced_op_key(func: Any) -> str:
+    return traced_constant_key(func)
 
 
 @torch.compiler.allow_in_graph
@@ -194,7 +205,7 @@ def _traced_torch_function(op_key: str, args: tuple, kwargs: dict) -> Any:
     AOTAutograd traces through it below: the handlers, their autograd Functions and their (then
     functional) collectives become ATen ops of the forward and backward graphs.
     """
-    return _eager_torch_function(_traced_ops[op_key], (_ShardTensor,), args, kwargs)
+    return _eager_torch_function(traced_constant(op_key), (_ShardTensor,), args, kwargs)
 
 
 def _eager_torch_function(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:

@@ -128,6 +128,9 @@ class ShardTensor(torch.Tensor):
         """
         from .conversions import from_local_with_spec, spec_from_local
 
+        if torch.compiler.is_dynamo_compiling():
+            layout = (device_mesh, placements, sharding_shapes, global_shape)
+            return _from_local_in_graph(local_tensor, dispatch.traced_constant_key(layout))
         spec = spec_from_local(local_tensor, device_mesh, placements, sharding_shapes, global_shape)
         return from_local_with_spec(local_tensor, spec)
 
@@ -181,6 +184,13 @@ class ShardTensor(torch.Tensor):
 
 
 dispatch.bind_shard_tensor_class(ShardTensor)
+
+
+@torch.compiler.allow_in_graph
+def _from_local_in_graph(local_tensor: torch.Tensor, layout_key: str) -> ShardTensor:
+    """``from_local`` inside a compiled function: one call in Dynamo's graph, traced below by
+    AOTAutograd (Dynamo cannot build the subclass, nor hold a mesh as a graph argument)."""
+    return ShardTensor.from_local(local_tensor, *dispatch.traced_constant(layout_key))
 
 # Libraries that choose a backend from the first component of ``type(x).__module__`` (opt_einsum,
 # and tensorly through it) must see a torch tensor, not hand a ShardTensor to NumPy.  The alias

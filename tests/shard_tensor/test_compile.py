@@ -147,3 +147,44 @@ def test_compiled_graph_cache_keys_differ_between_ranks() -> None:
     (first_0, again_0), (first_1, again_1) = run_on_ranks(2, _cache_keys)
     assert first_0 == again_0 and first_1 == again_1
     assert first_0 != first_1
+
+
+def _conversions_compiled(mesh_shape: tuple[int, ...]) -> dict:
+    from physics_dp.shard_tensor import Replicate
+
+    mesh = get_mesh(mesh_shape)
+    placements, sizes = _placements(mesh_shape), _sizes(mesh_shape)
+    x = torch.randn(2, 4, 12, 8)
+    xe = distribute_tensor(x, mesh, placements, sizes).requires_grad_()
+    xc = distribute_tensor(x, mesh, placements, sizes).requires_grad_()
+    shapes = xe._spec.sharding_shapes()
+
+    def fn(t: ShardTensor) -> torch.Tensor:
+        slab = t.to_local() * 2
+        rebuilt = ShardTensor.from_local(slab, mesh, placements, sharding_shapes=shapes)
+        whole = rebuilt.redistribute(placements=[Replicate()] * len(mesh_shape))
+        return (whole.to_local() * whole.to_local()).sum() + rebuilt.full_tensor().mean()
+
+    fn(xe).backward()
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled, graphs = torch.compile(fn, backend="aot_eager", fullgraph=True), []
+    for _ in range(3):
+        xc.grad = None
+        out = compiled(xc)
+        out.backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    return {"graphs": graphs, "grad": (xc.grad.full_tensor() - xe.grad.full_tensor()).abs().max().item(),
+            "out": (out - fn(xe)).abs().item()}
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (3,), (2, 2)], ids=str)
+def test_conversions_compile_without_graph_breaks(mesh_shape: tuple[int, ...]) -> None:
+    """to_local, from_local (sizes stated), redistribute and full_tensor inside fullgraph, with gradients."""
+    world = 1
+    for size in mesh_shape:
+        world *= size
+    for result in run_on_ranks(world, _conversions_compiled, mesh_shape):
+        assert result["graphs"] == [1, 1, 1], result
+        assert result["grad"] <= 1e-5 and result["out"] <= 1e-4, result
