@@ -18,21 +18,13 @@ from torch import nn
 from physics_dp.models import StormCastUNet
 from physics_dp.shard_tensor import Shard, distribute_tensor
 from physics_dp.testing import get_mesh, run_on_ranks
-from physics_dp.testing.rank_pool import shutdown_pools
 
 from .test_dit import _tiny as _tiny_dit
 from .test_song_unet import _inputs
 from .test_song_unet import _tiny as _tiny_song_unet
 
+pytestmark = pytest.mark.usefixtures("fresh_rank_processes")
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _fresh_rank_processes():
-    """Fresh rank processes: after earlier tests tore down and re-created the process group in the
-    reused workers, Dynamo's fake run of a traced op met a group no longer registered (seen once in
-    CI after tests/distributed; cause not found yet). Compiled code in a fresh job is unaffected."""
-    shutdown_pools()
-    yield
 
 def _stormcast_unet() -> nn.Module:
     torch.manual_seed(0)

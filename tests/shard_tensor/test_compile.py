@@ -21,19 +21,11 @@ from torch import nn
 
 from physics_dp.shard_tensor import Shard, ShardTensor, distribute_tensor
 from physics_dp.testing import get_mesh, run_on_ranks
-from physics_dp.testing.rank_pool import shutdown_pools
 
 LAYOUTS = [(1,), (2,), (3,), (2, 2)]
 
+pytestmark = pytest.mark.usefixtures("fresh_rank_processes")
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _fresh_rank_processes():
-    """Fresh rank processes: after earlier tests tore down and re-created the process group in the
-    reused workers, Dynamo's fake run of a traced op met a group no longer registered (seen once in
-    CI after tests/distributed; cause not found yet). Compiled code in a fresh job is unaffected."""
-    shutdown_pools()
-    yield
 
 class _Lambda(nn.Module):
     """A parameterized block whose forward is a plain function (the op family under test)."""
