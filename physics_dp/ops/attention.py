@@ -24,8 +24,13 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
+from ..distributed.axis_groups import group_over_axes
+from ..distributed.tracing import outside_trace
 from ..shard_tensor import Replicate, Shard, ShardTensor
+from ..shard_tensor.conversions import redistribute_to_spec
 from ..shard_tensor.dispatch import run_default
+from ..shard_tensor.placements import StridedShard
+from ..shard_tensor.redistribute import contiguous_layout
 from ._local import ShardedOpError, local_input, sum_grad_over_axes, wrap_local
 
 __all__ = ["RingMeta"]
@@ -106,6 +111,8 @@ def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
     flash kernel, or on CUDA the memory-efficient kernel (unmasked blocks only, so its bias
     alignment rules never matter). Neither materializes the score matrix."""
     if not (q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[-2] > 0 and k.shape[-2] > 0):
+        return None
+    if not q.ndim == k.ndim == v.ndim == 4:  # the kernels take (batch, heads, tokens, head dim) only
         return None
     if q.device.type == "cpu" and q.dtype in _FUSED_DTYPES:
         return "cpu"
@@ -249,6 +256,10 @@ class _SumOverAxis(torch.autograd.Function):
         return grad, None
 
 
+def contiguous(t: ShardTensor) -> ShardTensor:
+    return redistribute_to_spec(t, contiguous_layout(t._spec)) if t._spec.strided else t
+
+
 # ----- argument handling --------------------------------------------------------------------
 def _token_axes(t: Any) -> list[int]:
     if not isinstance(t, ShardTensor):
@@ -306,11 +317,59 @@ def _slice_batch_dims(mask: torch.Tensor, q: ShardTensor, token_axis: int) -> to
     return mask
 
 
+def _strided_token_axes(t: Any) -> list[int]:
+    if not isinstance(t, ShardTensor) or not t._spec.strided:
+        return []
+    return [a for a, p in enumerate(t.placements) if type(p) is StridedShard and p.dim == t.ndim - 2]
+
+
+def _strided_ring(q: ShardTensor, k: ShardTensor, v: ShardTensor, scale: float | None, enable_gqa: bool) -> ShardTensor:
+    """Self-attention over tokens split over several mesh axes (a flattened 2-D decomposition).
+
+    Attention without a mask or causality does not depend on the order of keys, so the ring runs
+    through every rank holding a share of the tokens, in any order, with nothing gathered.
+    """
+    axes = _strided_token_axes(q)
+    mesh = q.device_mesh
+    with outside_trace():  # a plan from integer sizes: eager even under torch.compile
+        group, members = group_over_axes(mesh, axes)
+        kv_sizes = tuple(k._spec.local_shape(c)[-2] for c in members)
+    meta = RingMeta(
+        group=group,
+        me=members.index(tuple(mesh.get_coordinate())),
+        size=len(members),
+        q_offset=0,
+        kv_sizes=kv_sizes,
+        scale=scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
+        causal=False,
+        mask=None,
+    )
+    q_l, k_l, v_l = local_input(q), local_input(k), local_input(v)
+    k_l, v_l = _expand_heads(q_l, k_l, v_l, enable_gqa)
+    out = _RingAttention.apply(q_l, k_l, v_l, meta)
+    return wrap_local(out, q, (*q.shape[:-1], v.shape[-1]), q._spec.axis_sizes)
+
+
 def _sdpa_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     bound = dict(zip(names, args))
     bound.update(kwargs)
     q, k, v = bound["query"], bound["key"], bound["value"]
+    if any(isinstance(t, ShardTensor) and t._spec.strided for t in (q, k, v)):
+        ring = (
+            _strided_token_axes(q)
+            and all(isinstance(t, ShardTensor) and t.placements == q.placements for t in (k, v))
+            and bound.get("attn_mask") is None
+            and not bound.get("is_causal", False)
+            and not bound.get("dropout_p", 0.0)
+            and not q._spec.has_partial
+        )
+        if ring:
+            return _strided_ring(q, k, v, bound.get("scale"), bound.get("enable_gqa", False))
+        # masks and causality need tokens in global order: a contiguous layout
+        q, k, v = (contiguous(t) if isinstance(t, ShardTensor) else t for t in (q, k, v))
+        bound.update(query=q, key=k, value=v)
+        args, kwargs = (), bound
     mask, dropout_p = bound.get("attn_mask"), bound.get("dropout_p", 0.0)
     causal, scale, enable_gqa = bound.get("is_causal", False), bound.get("scale"), bound.get("enable_gqa", False)
     q_axes, kv_axes = _token_axes(q), _token_axes(k)
@@ -427,5 +486,5 @@ def _mha_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
     return out.view(tgt_len, batch, embed), None
 
 
-ShardTensor.register_function_handler(F.scaled_dot_product_attention, _sdpa_handler)
+ShardTensor.register_function_handler(F.scaled_dot_product_attention, _sdpa_handler, strided=True)
 ShardTensor.register_function_handler(F.multi_head_attention_forward, _mha_handler)

@@ -37,8 +37,8 @@ def _keep_input_grad_layouts(func: Any, types: tuple, args: tuple, kwargs: dict)
     return run_default(func, args, kwargs)
 
 
-for _func in _reduction_functions():
-    ShardTensor.register_function_handler(_func, _keep_input_grad_layouts)
+for _func in _reduction_functions():  # layout-agnostic: strided inputs keep their layout too
+    ShardTensor.register_function_handler(_func, _keep_input_grad_layouts, strided=True)
 
 
 def _empty_like_layout(local_shape: torch.Size, stride: tuple[int, ...], like: torch.Tensor, kwargs: dict) -> torch.Tensor:

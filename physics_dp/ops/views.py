@@ -4,9 +4,11 @@ A view regroups consecutive dims.  A sharded dim stays sharded when it leads its
 size-1 dims before it): each slab is then a contiguous block of the group's flattened index,
 which the output's leading non-trivial dim of that group can describe, provided the block
 boundaries fall on whole output rows.  Otherwise the split is first moved to the nearest
-aligned one (an all-to-all of a few rows), and a sharded dim that does not lead its group
-(e.g. W when flattening H x W with both sharded) is gathered on its axis.  DTensor refuses
-all uneven cases; here they stay exact.
+aligned one (an all-to-all of a few rows).  A sharded dim that does not lead its group (W when
+flattening H x W into tokens) makes the output dim strided (``StridedShard``): each slab is the
+flatten of its own block, nothing moves, and the inverse view (unpatchify) restores both shards.
+A strided dim that a view merges with other dims takes a contiguous layout first (W gathered).
+DTensor refuses all uneven cases; here they stay exact.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from collections.abc import Sequence
 import torch
 
 from ..shard_tensor import Replicate, Shard, ShardingRuleError, ShardTensor, ShardTensorSpec, balanced_sizes
-from ..shard_tensor.redistribute import redistribute_local
+from ..shard_tensor.placements import StridedShard
+from ..shard_tensor.redistribute import contiguous_layout, redistribute_local
 from ..shard_tensor.spec import contiguous_strides
 
 aten = torch.ops.aten
@@ -62,20 +65,70 @@ def _resolve_size(size: Sequence[int], numel: int) -> list[int]:
     return size
 
 
+def _strided_group(spec: ShardTensorSpec, group_in: list[int], non1_out: list[int]) -> bool:
+    """Whether a group's flatten keeps its shards as a strided dim: a sharded dim that does not
+    lead the group (a contiguous range would need W gathered), merged into one output dim."""
+    in_shape = spec.shape
+    sharded = [p.dim for p in spec.placements if type(p) is Shard and p.dim in group_in and in_shape[p.dim] > 1]
+    leading = next((d for d in group_in if in_shape[d] > 1), None)
+    return len(non1_out) == 1 and any(d != leading for d in sharded)
+
+
+def _plan_strided_dims(spec: ShardTensorSpec, groups, out_shape: Sequence[int]) -> dict[int, tuple] | None:
+    """Output (placement, sizes) of each axis on a strided input dim; None where the view regroups
+    a strided dim with others (it must first take a contiguous layout)."""
+    in_shape = spec.shape
+    group_of = {d: g for g in groups for d in g[0]}
+    out: dict[int, tuple] = {}
+    for axis, placement in enumerate(spec.placements):
+        if type(placement) is not StridedShard:
+            continue
+        group_in, group_out = group_of[placement.dim]
+        non1_in = [d for d in group_in if in_shape[d] > 1]
+        non1_out = [d for d in group_out if out_shape[d] > 1]
+        sizes = spec.axis_sizes[axis]
+        if non1_in != [placement.dim]:
+            return None
+        if len(non1_out) == 1:  # the dim keeps its extent: only its position changes
+            out[axis] = (StridedShard(non1_out[0], placement.factors, placement.factor), sizes)
+        elif [out_shape[d] for d in non1_out] == list(placement.factors):  # unflattened into its factors
+            out[axis] = (Shard(non1_out[placement.factor]), sizes)
+        else:
+            return None
+    return out
+
+
 def plan_view(spec: ShardTensorSpec, out_shape: Sequence[int]) -> tuple[ShardTensorSpec, list]:
     """The input spec the view needs (maybe re-split or gathered) and the output placements/sizes."""
     in_shape = list(spec.shape)
     groups = view_groups(in_shape, out_shape)
+    if spec.strided:
+        strided_out = _plan_strided_dims(spec, groups, out_shape)
+        if strided_out is None:
+            spec = contiguous_layout(spec)
+            strided_out = {}
+    else:
+        strided_out = {}
     group_of = {d: g for g in groups for d in g[0]}
     in_placements = list(spec.placements)
     in_sizes = list(spec.axis_sizes)
     out: list = []
     for axis, placement in enumerate(spec.placements):
+        if axis in strided_out:
+            out.append(strided_out[axis])
+            continue
         if type(placement) is not Shard:
             out.append((placement, None))
             continue
         dim = placement.dim
         group_in, group_out = group_of[dim]
+        non1_out = [d for d in group_out if out_shape[d] > 1]
+        if _strided_group(spec, group_in, non1_out):
+            factors = tuple(in_shape[d] for d in group_in if in_shape[d] > 1)
+            if in_shape[dim] > 1:
+                factor = [d for d in group_in if in_shape[d] > 1].index(dim)
+                out.append((StridedShard(non1_out[0], factors, factor), spec.axis_sizes[axis]))
+                continue
         leading = all(in_shape[d] == 1 for d in group_in if d < dim)
         if not leading:
             in_placements[axis], in_sizes[axis] = Replicate(), None
@@ -113,3 +166,4 @@ def _view_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Shard
 
 for _op in (aten.view.default, aten._unsafe_view.default):
     ShardTensor.register_dispatch_handler(_op, _view_handler)
+    ShardTensor.register_strided_handler(_op, _view_handler)

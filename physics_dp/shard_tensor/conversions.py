@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from ..distributed import collectives
 from ..distributed.tracing import is_tracing
-from .placements import Partial, Placement, Replicate, Shard, normalize_placements
+from .placements import Partial, Placement, Replicate, Shard, StridedShard, normalize_placements
 from .redistribute import grad_target_spec, redistribute_local
 from .shard_tensor import ShardTensor
 from .spec import ShardTensorSpec, chunk_sizes
@@ -81,6 +81,11 @@ def spec_from_local(
     placements = normalize_placements(
         placements if placements is not None else [Replicate()] * mesh.ndim, local.ndim, mesh.ndim
     )
+    if sharding_shapes != "chunk" and any(type(p) is StridedShard for p in placements):
+        raise ValueError(
+            "from_local with StridedShard placements: slab shapes do not tell each factor's split; pass "
+            "sharding_shapes='chunk' and global_shape (balanced factors), or flatten a sharded tensor instead"
+        )
     shape = list(local.shape)
     axis_sizes: list[tuple[int, ...] | None] = [None] * mesh.ndim
     sharded = [(axis, p.dim) for axis, p in enumerate(placements) if type(p) is Shard]

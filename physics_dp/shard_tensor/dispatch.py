@@ -10,6 +10,12 @@ Order of decisions, cheapest first:
    exactly once.
 2. ``__torch_dispatch__`` (below autograd): a registered aten handler, else a pointwise aten op
    on equal specs runs locally, else the sharding-propagation fallback in ``fallback.py``.
+
+Strided dims (``StridedShard``, the tokens of a 2-D decomposition) reach only handlers that
+know them: pointwise ops on equal specs, function handlers registered with ``strided=True`` and
+aten handlers registered with :func:`register_strided_handler`.  Every other op gets those inputs
+in a contiguous layout first (:func:`~.redistribute.contiguous_layout`), which costs a gather
+but is never wrong.
 """
 
 from __future__ import annotations
@@ -41,7 +47,9 @@ FunctionHandler = Callable[[Any, tuple, tuple, dict], Any]
 DispatchHandler = Callable[[torch._ops.OpOverload, tuple, dict], Any]
 
 _function_handlers: dict[Any, FunctionHandler] = {}
+_strided_functions: set[Any] = set()
 _dispatch_handlers: dict[torch._ops.OpOverload, DispatchHandler] = {}
+_strided_handlers: dict[torch._ops.OpOverload, DispatchHandler] = {}
 _ShardTensor: type | None = None
 
 
@@ -51,13 +59,72 @@ def bind_shard_tensor_class(cls: type) -> None:
     local_only.bind_shard_tensor_class(cls)
 
 
-def register_function_handler(func: Any, handler: FunctionHandler) -> None:
+def register_function_handler(func: Any, handler: FunctionHandler, strided: bool = False) -> None:
     _function_handlers[func] = handler
+    if strided:
+        _strided_functions.add(func)
+    else:
+        _strided_functions.discard(func)
+
+
+def registered_function_handler(func: Any) -> FunctionHandler | None:
+    """The handler registered for ``func`` (for wrappers that extend it)."""
+    return _function_handlers.get(func)
 
 
 def register_dispatch_handler(op: torch._ops.OpOverload, handler: DispatchHandler) -> None:
     _dispatch_handlers[op] = handler
     _aten_plans.clear()
+
+
+def register_strided_handler(op: torch._ops.OpOverload, handler: DispatchHandler) -> None:
+    _strided_handlers[op] = handler
+
+
+_strided_pointwise: DispatchHandler | None = None
+
+
+def set_strided_pointwise_handler(handler: DispatchHandler) -> None:
+    """The handler for pointwise aten ops whose strided inputs do not all share one spec."""
+    global _strided_pointwise
+    _strided_pointwise = handler
+
+
+def _has_strided(args: tuple, kwargs: dict) -> bool:
+    cls = _ShardTensor
+    for value in (*args, *kwargs.values()):
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(item, cls) and item._spec.strided:
+                return True
+    return False
+
+
+def _map_strided(args: tuple, kwargs: dict, move: Callable[[Any], Any]) -> tuple[tuple, dict]:
+    """Arguments with every ShardTensor that has strided dims replaced by ``move(tensor)``."""
+    cls = _ShardTensor
+
+    def convert(value: Any) -> Any:
+        if isinstance(value, (list, tuple)):
+            return type(value)(convert(v) for v in value)
+        if isinstance(value, cls) and value._spec.strided:
+            return move(value)
+        return value
+
+    return tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()}
+
+
+def _contiguous_below_autograd(tensor: Any) -> Any:
+    from .redistribute import contiguous_layout, redistribute_local
+
+    target = contiguous_layout(tensor._spec)
+    return _ShardTensor(redistribute_local(tensor._local_tensor, tensor._spec, target), target)
+
+
+def _contiguous_with_autograd(tensor: Any) -> Any:
+    from .conversions import redistribute_to_spec
+    from .redistribute import contiguous_layout
+
+    return redistribute_to_spec(tensor, contiguous_layout(tensor._spec))
 
 
 # ----- pointwise torch functions (the fast path before the dispatcher) ----------------------
@@ -211,6 +278,8 @@ def _traced_torch_function(op_key: str, args: tuple, kwargs: dict) -> Any:
 def _eager_torch_function(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
     handler = _function_handlers.get(func)
     if handler is not None:
+        if func not in _strided_functions and _has_strided(args, kwargs):
+            args, kwargs = _map_strided(args, kwargs, _contiguous_with_autograd)
         like = local_only_spec(args, kwargs)
         if like is None:
             return handler(func, types, args, kwargs)
@@ -329,6 +398,12 @@ def torch_dispatch(cls: type, op: torch._ops.OpOverload, types: tuple, args: tup
         result = _pointwise_aten_local(op, args, kwargs, kind)
         if result is not NotImplemented:
             return result
+    if _has_strided(args, kwargs):
+        strided_handler = _strided_handlers.get(op) or (_strided_pointwise if kind != _NOT_POINTWISE else None)
+        result = NotImplemented if strided_handler is None else strided_handler(op, args, kwargs)
+        if result is not NotImplemented:
+            return result
+        args, kwargs = _map_strided(args, kwargs, _contiguous_below_autograd)
     like = local_only_spec(args, kwargs)
     if like is not None:
         return run_aten_on_slabs(op, args, kwargs, like)

@@ -7,11 +7,45 @@ without translation; this module only adds the checks and small queries we need.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["Placement", "Shard", "Replicate", "Partial", "normalize_placements", "partial_op"]
+__all__ = ["Placement", "Shard", "Replicate", "Partial", "StridedShard", "normalize_placements", "partial_op"]
+
+
+@dataclass(frozen=True)
+class StridedShard:
+    """A mesh axis sharding one factor of a tensor dim that is a row-major flatten of several.
+
+    ``flatten(2)`` of (N, D, H, W) sharded over H on one mesh axis and W on another gives
+    tokens (N, D, H*W) whose slab on each rank is the flatten of its own H x W block: no
+    contiguous range of the token dim, so ``Shard`` cannot describe it.  Every axis sharding
+    such a dim carries one ``StridedShard(dim, factors, factor)``: the dim's logical extents
+    ``factors`` (row-major) and which of them this axis splits.  The slab along ``dim`` is the
+    row-major flatten of each factor's local extent (the whole factor where no axis splits it).
+
+    It is deliberately not a ``Shard``: code that only knows ``Shard`` must not mistake it for
+    one; dispatch hands such tensors only to handlers that know it (``ops/strided.py``) and
+    converts them to a contiguous layout for every other op.
+    """
+
+    dim: int
+    factors: tuple[int, ...]
+    factor: int
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return False
+
+    def is_replicate(self) -> bool:
+        return False
+
+    def is_partial(self, reduce_op: str | None = None) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"StridedShard(dim={self.dim}, factors={self.factors}, factor={self.factor})"
 
 _PARTIAL_OPS = ("sum", "avg", "max", "min")
 
@@ -52,9 +86,36 @@ def normalize_placements(placements: Sequence[Placement], ndim: int, mesh_ndim: 
         elif type(placement) is Partial:
             partial_op(placement)
             out.append(placement)
+        elif type(placement) is StridedShard:
+            out.append(_normalized_strided(placement, ndim))
         else:
             raise ValueError(
                 f"unsupported placement {placement!r}; physics_dp supports Shard(dim), Replicate() and "
                 "Partial(sum|avg|max|min)"
             )
+    _check_strided_consistent(out)
     return tuple(out)
+
+
+def _normalized_strided(placement: StridedShard, ndim: int) -> StridedShard:
+    if not -ndim <= placement.dim < max(ndim, 1):
+        raise ValueError(f"{placement} is out of range for a {ndim}-D tensor")
+    if not 0 <= placement.factor < len(placement.factors) or min(placement.factors, default=0) < 1:
+        raise ValueError(f"{placement}: factor must index factors, and factors must be positive extents")
+    return StridedShard(placement.dim % max(ndim, 1), tuple(int(f) for f in placement.factors), placement.factor)
+
+
+def _check_strided_consistent(placements: Sequence[Placement]) -> None:
+    """Axes on one strided dim agree on its factors and split different factors; no ``Shard`` of it."""
+    by_dim: dict[int, list[StridedShard]] = {}
+    for placement in placements:
+        if type(placement) is StridedShard:
+            by_dim.setdefault(placement.dim, []).append(placement)
+    shard_dims = {p.dim for p in placements if type(p) is Shard}
+    for dim, group in by_dim.items():
+        if dim in shard_dims or len({p.factors for p in group}) > 1 or len({p.factor for p in group}) < len(group):
+            raise ValueError(
+                f"placements {tuple(placements)} describe dim {dim} inconsistently: the StridedShard axes of one "
+                "dim must share its factors, split different factors, and no Shard may split the same dim"
+            )
+

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 import torch
 
 from ..distributed import collectives
-from .placements import Partial, Placement, Replicate, Shard, partial_op
+from .placements import Partial, Placement, Replicate, Shard, StridedShard, partial_op
 from .spec import ShardTensorSpec
 
-__all__ = ["redistribute_local", "grad_target_spec"]
+__all__ = ["redistribute_local", "grad_target_spec", "contiguous_layout"]
 
 
 def _offsets(sizes: Sequence[int]) -> list[int]:
@@ -159,6 +159,8 @@ def redistribute_local(local: torch.Tensor, src: ShardTensorSpec, dst: ShardTens
         raise ValueError(f"cannot redistribute between different global shapes {tuple(src.shape)} and {tuple(dst.shape)}")
     if src.mesh is not dst.mesh and src.mesh != dst.mesh:
         raise ValueError("redistribute across different device meshes is not supported")
+    if (src.strided or dst.strided) and src != dst:
+        return _redistribute_strided(local, src, dst)
     state = _State(src)
     pending = [
         axis
@@ -196,3 +198,83 @@ def grad_target_spec(spec: ShardTensorSpec) -> ShardTensorSpec:
         return spec
     placements = [Replicate() if p.is_partial() else p for p in spec.placements]
     return ShardTensorSpec(spec.mesh, placements, spec.shape, spec.axis_sizes)
+
+
+# ----- strided dims ---------------------------------------------------------------------------
+# A strided dim is the row-major flatten of its factors, so splitting it into them (a view of
+# the slab) turns every StridedShard into a Shard of one factor dim; the plain machinery above
+# then moves the data, and the result is flattened back.
+
+
+def contiguous_layout(spec: ShardTensorSpec) -> ShardTensorSpec:
+    """The nearest layout without strided dims: a strided dim stays split by the axis of its
+    leading factor (a contiguous range of the flattened dim) and is gathered on the others."""
+    if not spec.strided:
+        return spec
+    placements, sizes = list(spec.placements), list(spec.axis_sizes)
+    for axis, placement in enumerate(spec.placements):
+        if type(placement) is StridedShard:
+            if placement.factor == 0:
+                inner = spec.shape[placement.dim] // placement.factors[0]
+                placements[axis], sizes[axis] = Shard(placement.dim), tuple(n * inner for n in sizes[axis])
+            else:
+                placements[axis], sizes[axis] = Replicate(), None
+    return ShardTensorSpec(spec.mesh, placements, spec.shape, sizes)
+
+
+def _factors_by_dim(spec: ShardTensorSpec) -> dict[int, tuple[int, ...]]:
+    return {p.dim: p.factors for p in spec.placements if type(p) is StridedShard}
+
+
+def _expand(spec: ShardTensorSpec, factors: dict[int, tuple[int, ...]]) -> ShardTensorSpec | None:
+    """``spec`` over the shape with each dim of ``factors`` split into them; None where an axis
+    splits such a dim at boundaries that are not whole rows of its leading factor."""
+    new_dim, shape, running = {}, [], 0
+    for dim, extent in enumerate(spec.shape):
+        new_dim[dim] = running
+        parts = factors.get(dim, (extent,))
+        shape.extend(parts)
+        running += len(parts)
+    placements, sizes = [], []
+    for axis, placement in enumerate(spec.placements):
+        axis_sizes = spec.axis_sizes[axis]
+        if type(placement) is StridedShard:
+            placements.append(Shard(new_dim[placement.dim] + placement.factor))
+        elif type(placement) is Shard and placement.dim in factors:
+            inner = spec.shape[placement.dim] // factors[placement.dim][0]
+            if any(n % inner for n in axis_sizes):  # type: ignore[union-attr]
+                return None
+            placements.append(Shard(new_dim[placement.dim]))
+            axis_sizes = tuple(n // inner for n in axis_sizes)  # type: ignore[union-attr]
+        elif type(placement) is Shard:
+            placements.append(Shard(new_dim[placement.dim]))
+        else:
+            placements.append(placement)
+        sizes.append(axis_sizes)
+    return ShardTensorSpec(spec.mesh, placements, shape, sizes)
+
+
+def _replicating_axes(spec: ShardTensorSpec, dims: set[int]) -> ShardTensorSpec:
+    placements = [Replicate() if type(p) is Shard and p.dim in dims else p for p in spec.placements]
+    sizes = [None if type(p) is Shard and p.dim in dims else s for p, s in zip(spec.placements, spec.axis_sizes)]
+    return ShardTensorSpec(spec.mesh, placements, spec.shape, sizes)
+
+
+def _redistribute_strided(local: torch.Tensor, src: ShardTensorSpec, dst: ShardTensorSpec) -> torch.Tensor:
+    factors = _factors_by_dim(dst)
+    for dim, parts in _factors_by_dim(src).items():
+        if factors.setdefault(dim, parts) != parts:  # two different factorings: meet in a plain layout
+            plain = contiguous_layout(src)
+            return redistribute_local(redistribute_local(local, src, plain), plain, dst)
+    src_expanded = _expand(src, factors)
+    if src_expanded is None:  # src splits a dim dst factors at ragged rows: gather those axes first
+        plain = _replicating_axes(src, set(factors))
+        return redistribute_local(redistribute_local(local, src, plain), plain, dst)
+    landing = dst
+    dst_expanded = _expand(dst, factors)
+    if dst_expanded is None:  # dst splits a factored dim at ragged rows: land replicated, then cut
+        landing = _replicating_axes(dst, set(factors))
+        dst_expanded = _expand(landing, factors)
+    moved = redistribute_local(local.reshape(src_expanded.local_shape()), src_expanded, dst_expanded)
+    result = moved.reshape(landing.local_shape())
+    return result if landing is dst else redistribute_local(result, landing, dst)

@@ -173,14 +173,24 @@ class ShardTensor(torch.Tensor):
 
     # ----- registries ----------------------------------------------------------------------
     @staticmethod
-    def register_function_handler(func: Any, handler: dispatch.FunctionHandler) -> None:
-        """Route ``func`` (a torch function or method) to ``handler(func, types, args, kwargs)``."""
-        dispatch.register_function_handler(func, handler)
+    def register_function_handler(func: Any, handler: dispatch.FunctionHandler, *, strided: bool = False) -> None:
+        """Route ``func`` (a torch function or method) to ``handler(func, types, args, kwargs)``.
+
+        ``strided=True``: the handler also takes inputs with strided dims (``StridedShard``);
+        otherwise they reach it in a contiguous layout.
+        """
+        dispatch.register_function_handler(func, handler, strided=strided)
 
     @staticmethod
     def register_dispatch_handler(op: torch._ops.OpOverload, handler: dispatch.DispatchHandler) -> None:
         """Route an aten overload to ``handler(op, args, kwargs)`` below autograd."""
         dispatch.register_dispatch_handler(op, handler)
+
+    @staticmethod
+    def register_strided_handler(op: torch._ops.OpOverload, handler: dispatch.DispatchHandler) -> None:
+        """Route an aten overload with an input that has strided dims to ``handler``, which may
+        return ``NotImplemented`` to have those inputs take a contiguous layout first."""
+        dispatch.register_strided_handler(op, handler)
 
 
 dispatch.bind_shard_tensor_class(ShardTensor)

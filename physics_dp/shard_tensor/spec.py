@@ -7,12 +7,13 @@ sharded dim on every coordinate of each mesh axis, and every op carries those si
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from .placements import Placement, Replicate, Shard, normalize_placements
+from .placements import Placement, Replicate, Shard, StridedShard, normalize_placements
 
 __all__ = ["ShardTensorSpec", "balanced_sizes", "chunk_sizes", "contiguous_strides"]
 
@@ -62,7 +63,8 @@ class ShardTensorSpec:
     """
 
     __slots__ = (
-        "mesh", "placements", "shape", "stride", "axis_sizes", "has_partial", "local_only", "_local_shape", "_hash"
+        "mesh", "placements", "shape", "stride", "axis_sizes", "has_partial", "local_only", "strided", "_local_shape",
+        "_hash",
     )
 
     def __init__(
@@ -95,14 +97,33 @@ class ShardTensorSpec:
                         f"{extent} over {parts} ranks: give {parts} non-negative sizes summing to {extent}"
                     )
                 sizes.append(chosen)
+            elif type(placement) is StridedShard:
+                sizes.append(self._strided_sizes(axis, placement, given[axis]))
             else:
                 sizes.append(None)
         self.axis_sizes: tuple[tuple[int, ...] | None, ...] = tuple(sizes)
         self.has_partial = any(p.is_partial() for p in self.placements)
         # every slab holds the global value: ops need no communication (see local_only.py)
         self.local_only = all(type(p) is Replicate or mesh.size(a) == 1 for a, p in enumerate(self.placements))
+        self.strided = any(type(p) is StridedShard for p in self.placements)
         self._local_shape: torch.Size | None = None
         self._hash: int | None = None
+
+    def _strided_sizes(self, axis: int, placement: StridedShard, given: Sequence[int] | None) -> tuple[int, ...]:
+        if math.prod(placement.factors) != self.shape[placement.dim]:
+            raise ValueError(
+                f"{placement} on mesh axis {axis}: the factors multiply to {math.prod(placement.factors)}, "
+                f"not to the extent {self.shape[placement.dim]} of dim {placement.dim}"
+            )
+        extent = placement.factors[placement.factor]
+        parts = self.mesh.size(axis)
+        chosen = tuple(int(s) for s in given) if given is not None else balanced_sizes(extent, parts)
+        if len(chosen) != parts or sum(chosen) != extent or min(chosen) < 0:
+            raise ValueError(
+                f"sizes {chosen} along mesh axis {axis} do not split factor {placement.factor} (extent {extent}) "
+                f"of {placement} over {parts} ranks"
+            )
+        return chosen
 
     # ----- queries -----------------------------------------------------------------------
     @property
@@ -130,12 +151,41 @@ class ShardTensorSpec:
     def _shape_at(self, coordinate: Sequence[int]) -> torch.Size:
         shape = list(self.shape)
         for axis, sizes in enumerate(self.axis_sizes):
-            if sizes is not None:
+            if sizes is not None and type(self.placements[axis]) is Shard:
                 shape[self.placements[axis].dim] = sizes[coordinate[axis]]  # type: ignore[attr-defined]
+        if self.strided:
+            for dim, extents in self.local_factors(coordinate).items():
+                shape[dim] = math.prod(extents)
         return torch.Size(shape)
 
+    def local_factors(self, coordinate: Sequence[int] | None = None) -> dict[int, list[int]]:
+        """For each strided dim, the local extent of every factor at ``coordinate`` (row-major)."""
+        coordinate = self.coordinate() if coordinate is None else coordinate
+        result: dict[int, list[int]] = {}
+        for axis, placement in enumerate(self.placements):
+            if type(placement) is StridedShard:
+                extents = result.setdefault(placement.dim, list(placement.factors))
+                extents[placement.factor] = self.axis_sizes[axis][coordinate[axis]]  # type: ignore[index]
+        return result
+
+    def factor_offsets(self, coordinate: Sequence[int] | None = None) -> dict[int, list[int]]:
+        """For each strided dim, the global index of the slab's first element in every factor."""
+        coordinate = self.coordinate() if coordinate is None else coordinate
+        result: dict[int, list[int]] = {}
+        for axis, placement in enumerate(self.placements):
+            if type(placement) is StridedShard:
+                starts = result.setdefault(placement.dim, [0] * len(placement.factors))
+                starts[placement.factor] = sum(self.axis_sizes[axis][: coordinate[axis]])  # type: ignore[index]
+        return result
+
     def offsets(self, coordinate: Sequence[int] | None = None) -> tuple[int, ...]:
-        """Global index of the local slab's first element along every tensor dim."""
+        """Global index of the local slab's first element along every tensor dim.
+
+        A strided dim has no such index (its slab is not a contiguous range): see
+        :meth:`factor_offsets`.
+        """
+        if self.strided:
+            raise RuntimeError(f"{self} has strided dims, whose slabs are no contiguous range: use factor_offsets")
         coordinate = self.coordinate() if coordinate is None else coordinate
         offsets = [0] * self.ndim
         for axis, sizes in enumerate(self.axis_sizes):
@@ -158,7 +208,7 @@ class ShardTensorSpec:
 
     def is_chunk_layout(self) -> bool:
         """Whether every sharded dim uses DTensor's ``torch.chunk`` layout."""
-        return all(
+        return not self.strided and all(
             sizes is None or sizes == chunk_sizes(sum(sizes), len(sizes)) for sizes in self.axis_sizes
         )
 

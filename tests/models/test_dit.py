@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from physics_dp.models.dit import DiT, DiTConfig, sincos_pos_embed_2d
-from physics_dp.shard_tensor import Shard
+from physics_dp.distributed.collectives import count_communication
+from physics_dp.shard_tensor import Shard, balanced_sizes, distribute_tensor
 from physics_dp.testing import assert_sharded_matches, get_mesh, run_on_ranks
 
 from .test_song_unet import _inputs
@@ -125,12 +126,55 @@ def test_sharded_matches_single_device(mesh_shape, size):
     # 2-D meshes: see test_2d_mesh_output_keeps_both_shards.
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="flatten(2) of (N, D, H/p, W/p) sharded (Shard(2), Shard(3)) gathers the trailing W shard "
-    "(tokens come out (Shard(1), Replicate())): W-sharding of row-major tokens is not representable "
-    "without a strided shard, so the output is (Shard(2), Replicate())",
-)
 def test_2d_mesh_output_keeps_both_shards():
+    """Tokens of an H x W decomposition are strided (each rank's block, flattened): nothing is
+    gathered, and the unpatchify view restores both shards."""
     results = run_on_ranks(4, _sharded_matches, (2, 2), 16, 12, timeout=120.0)
     assert all(placements == [(Shard(2), Shard(3))] for _, placements in results), results
+
+
+def _ring_bytes(blocks: list[int], me: int, row_bytes: int, width: int) -> tuple[int, int]:
+    """Bytes rank ``me`` sends in one ring attention, forward and backward: blocks of ``blocks[o]``
+    tokens (o = owner), ``row_bytes`` per token and head-dim column; k|v forward, k|v|dk|dv back
+    (only dk|dv on the last hop home)."""
+    size = len(blocks)
+    forward = sum(blocks[(me - s) % size] * 2 * width for s in range(size - 1)) * row_bytes
+    backward = sum(blocks[(me - s) % size] * (4 if s < size - 1 else 2) * width for s in range(size)) * row_bytes
+    return forward, backward
+
+
+def _dit_2x2_traffic(height, width):
+    mesh = get_mesh((2, 2))
+    model = _tiny(input_size=(height, width))
+    x, labels, condition = _inputs(height, width)
+    xs = distribute_tensor(x, mesh, [Shard(2), Shard(3)]).requires_grad_(True)
+    with count_communication() as forward:
+        out = model(xs, labels, condition)
+    with count_communication() as backward:
+        out.backward(torch.ones_like(out))
+    return [(r.kind, r.bytes_sent) for r in forward.records], [(r.kind, r.bytes_sent) for r in backward.records]
+
+
+@pytest.mark.parametrize("size", [(16, 12), (12, 20)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_2d_mesh_sends_only_ring_attention_and_gradient_sums(size):
+    """The DiT on a 2 x 2 mesh: forward sends exactly ring attention's blocks (no all-gather or
+    all-to-all of W); backward adds only parameter gradients: all-reduced sums, and the
+    positional embedding's gradient assembled from each rank's block of tokens."""
+    height, width = size
+    cfg = {**TINY, "input_size": size}
+    grid = (height // cfg["patch_size"], width // cfg["patch_size"])
+    rows, cols = balanced_sizes(grid[0], 2), balanced_sizes(grid[1], 2)
+    blocks = [rows[r // 2] * cols[r % 2] for r in range(4)]  # tokens per rank, in global-rank order
+    head_dim = cfg["hidden_size"] // cfg["num_heads"]
+    row_bytes = 2 * cfg["num_heads"] * 4  # batch 2, fp32
+    results = run_on_ranks(4, _dit_2x2_traffic, height, width, timeout=120.0)
+    model = _tiny(input_size=size)
+    parameter_bytes = sum(p.numel() for p in model.parameters()) * 4
+    for me, (forward, backward) in enumerate(results):
+        ring_forward, ring_backward = _ring_bytes(blocks, me, row_bytes, head_dim)
+        assert {kind for kind, _ in forward} == {"p2p"}, forward
+        assert sum(n for _, n in forward) == cfg["depth"] * ring_forward
+        assert {kind for kind, _ in backward} == {"p2p", "all_reduce", "all_to_all"}, backward
+        assert sum(n for kind, n in backward if kind == "p2p") == cfg["depth"] * ring_backward
+        assert sum(n for kind, n in backward if kind == "all_reduce") <= parameter_bytes
+        assert sum(n for kind, n in backward if kind == "all_to_all") < model.pos_embed.numel() * 4

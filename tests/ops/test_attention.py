@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -203,3 +204,19 @@ def _bf16_explicit_ring(world: int) -> float:
 
 def test_bf16_explicit_path_matches_single_device():
     run_on_ranks(2, _bf16_explicit_ring, 2)
+
+
+def _three_dim_tokens(world):
+    mesh = get_mesh((world,))
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 9, 8) for _ in range(3))
+    for causal in (False, True):
+        fn = functools.partial(F.scaled_dot_product_attention, is_causal=causal)
+        assert_sharded_matches(fn, [q, k, v], mesh, [[Shard(1)]] * 3, atol=1e-5, rtol=1e-4)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_three_dim_inputs_without_a_head_dim(world):
+    """(batch, tokens, dim) inputs, which torch accepts: the fused kernels take 4-D only (it crashed)."""
+    run_on_ranks(world, _three_dim_tokens, world)

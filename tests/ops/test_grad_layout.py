@@ -33,8 +33,8 @@ PATHS = {
 MESH_LAYOUTS = [((2,), [Shard(2)]), ((3,), [Shard(2)]), ((2, 2), [Shard(2), Shard(3)])]
 
 
-# On an H x W mesh a flatten of (H, W) gathers W (issue 12, gap 2: no strided-shard spec yet),
-# so its gradient comes back replicated over W; the strict xfail below records it.
+# On an H x W mesh a flatten of (H, W) makes a strided dim (issue 12, gap 2); its gradient comes
+# back through the inverse view in the leaf's layout, tested on its own below.
 TOKEN_FLATTENS = ("reshape", "flatten")
 
 
@@ -65,7 +65,6 @@ def test_sharded_leaf_gradient_keeps_the_leaf_layout_on_every_path(mesh_shape, p
     run_on_ranks(math.prod(mesh_shape), _leaf_gradient_layouts, mesh_shape, placements, names)
 
 
-@pytest.mark.xfail(strict=True, reason="a token flatten on an H x W mesh gathers W (no strided-shard spec yet)")
 def test_token_flatten_gradient_on_a_2d_mesh_keeps_the_leaf_layout():
     run_on_ranks(4, _leaf_gradient_layouts, (2, 2), [Shard(2), Shard(3)], TOKEN_FLATTENS)
 

@@ -1,0 +1,364 @@
+"""Ops on tensors with strided dims (``StridedShard``): the tokens of a 2-D decomposition.
+
+A transformer on an H x W mesh flattens its patch grid into tokens; each rank's tokens are then
+its own H x W block, flattened (see :class:`~physics_dp.shard_tensor.placements.StridedShard`).
+What the block after the flatten does (token-wise pointwise ops and linears, norms over the
+embedding, attention over all tokens, head splits, the unpatchify view) never needs the tokens
+in global order, so these handlers keep the layout and move nothing:
+
+- structural ops (permute, transpose, unsqueeze, squeeze, select, unbind, stack, copies and
+  ``*_like`` factories) carry each placement to the dim it moves to;
+- pointwise ops cut replicated operands (a positional embedding) to the rank's block;
+- sums and means over dims that are not strided stay local; over strided dims they are
+  all-reduced like any sharded reduction;
+- ``F.linear``/``matmul`` and ``F.layer_norm`` act on the trailing dims: the strided dims are
+  viewed as their factors (plain shards), the usual handler runs, and the result is flattened
+  back; attention takes strided tokens in ``attention.py``.
+
+Every other op receives such inputs in a contiguous layout (``dispatch.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..distributed import collectives
+from ..shard_tensor import Replicate, Shard, ShardTensor, ShardTensorSpec
+from ..shard_tensor import dispatch
+from ..shard_tensor.placements import StridedShard
+from . import linear, normalization  # noqa: F401  (their function handlers are wrapped below)
+from ._local import groups_spanning
+
+aten = torch.ops.aten
+
+__all__ = ["block_of_replicated", "expanded_shape"]
+
+_SHARDING = (Shard, StridedShard)
+
+
+# ----- structural ops: placements follow their dims ---------------------------------------------
+def _moved_spec(spec: ShardTensorSpec, new_dim: Callable[[int], int | None], meta_out: torch.Tensor) -> ShardTensorSpec | None:
+    placements = []
+    for placement in spec.placements:
+        if type(placement) in _SHARDING:
+            dim = new_dim(placement.dim)
+            if dim is None:
+                return None
+            placement = Shard(dim) if type(placement) is Shard else StridedShard(dim, placement.factors, placement.factor)
+        placements.append(placement)
+    return ShardTensorSpec(spec.mesh, placements, meta_out.shape, spec.axis_sizes, meta_out.stride())
+
+
+def _meta(spec: ShardTensorSpec, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty_strided(spec.shape, spec.stride, dtype=dtype, device="meta")
+
+
+def _dim_arg(args: tuple, kwargs: dict, position: int, name: str, default: Any = 0) -> Any:
+    return args[position] if len(args) > position else kwargs.get(name, default)
+
+
+def _sharded_dims(spec: ShardTensorSpec) -> set[int]:
+    return {p.dim for p in spec.placements if type(p) in _SHARDING}
+
+
+def _dim_map(op: torch._ops.OpOverload, args: tuple, kwargs: dict, ndim: int) -> Callable[[int], int | None] | None:
+    """Input dim -> output dim for a structural op (None: the dim disappears)."""
+    if op is aten.permute.default:
+        order = [d % ndim for d in args[1]]
+        return order.index
+    if op is aten.transpose.int:
+        a, b = args[1] % ndim, args[2] % ndim
+        return lambda d: b if d == a else a if d == b else d
+    if op is aten.unsqueeze.default:
+        new = args[1] % (ndim + 1)
+        return lambda d: d + (d >= new)
+    if op in (aten.select.int, aten.unbind.int):
+        gone = _dim_arg(args, kwargs, 1, "dim") % ndim
+        return lambda d: None if d == gone else d - (d > gone)
+    if op in (aten.squeeze.dim, aten.squeeze.dims):
+        dims = args[1] if isinstance(args[1], (list, tuple)) else [args[1]]
+        gone = {d % ndim for d in dims}
+        return lambda d: None if d in gone else d - sum(g < d for g in gone)
+    return None
+
+
+def _structural(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    tensor = args[0]
+    spec = tensor._spec
+    if spec.has_partial:
+        return NotImplemented
+    new_dim = _dim_map(op, args, kwargs, spec.ndim)
+    if op in (aten.squeeze.dim, aten.squeeze.dims):
+        dims = args[1] if isinstance(args[1], (list, tuple)) else [args[1]]
+        if any(spec.shape[d % spec.ndim] != 1 for d in dims):  # squeeze leaves dims of extent > 1
+            kept = [d for d in dims if spec.shape[d % spec.ndim] == 1]
+            args = (tensor, kept)
+            op = aten.squeeze.dims
+            new_dim = _dim_map(op, args, kwargs, spec.ndim)
+    meta_out = op(_meta(spec, tensor.dtype), *args[1:], **kwargs)
+    pieces = isinstance(meta_out, (list, tuple))
+    if pieces and not meta_out:
+        return []
+    out_spec = _moved_spec(spec, new_dim, meta_out[0] if pieces else meta_out)
+    if out_spec is None:  # the op removes a sharded dim
+        return NotImplemented
+    local_out = op(tensor._local_tensor, *args[1:], **kwargs)
+    return [ShardTensor(t, out_spec) for t in local_out] if pieces else ShardTensor(local_out, out_spec)
+
+
+def _stack(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    tensors = args[0]
+    specs = [t._spec for t in tensors if isinstance(t, ShardTensor)]
+    if len(specs) != len(tensors) or any(s != specs[0] for s in specs) or specs[0].has_partial:
+        return NotImplemented
+    spec = specs[0]
+    dim = _dim_arg(args, kwargs, 1, "dim") % (spec.ndim + 1)
+    meta_out = op([_meta(spec, t.dtype) for t in tensors], dim)
+    out_spec = _moved_spec(spec, lambda d: d + (d >= dim), meta_out)
+    return ShardTensor(op([t._local_tensor for t in tensors], dim), out_spec)
+
+
+def _same_layout(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """Copies, detaches, dtype casts and ``*_like`` factories: the slab's layout is the output's."""
+    tensor = args[0]
+    spec = tensor._spec
+    if spec.has_partial and op not in (aten.detach.default, aten.alias.default):
+        return NotImplemented
+    local_out = op(tensor._local_tensor, *args[1:], **kwargs)
+    meta_kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "pin_memory")}
+    meta_out = op(_meta(spec, tensor.dtype), *args[1:], **meta_kwargs)
+    return ShardTensor(local_out, ShardTensorSpec(spec.mesh, spec.placements, spec.shape, spec.axis_sizes, meta_out.stride()))
+
+
+# ----- pointwise with replicated operands --------------------------------------------------------
+def _narrowed_factors(value: torch.Tensor, dim: int, factors: Sequence[int], starts: Sequence[int], extents: Sequence[int]) -> torch.Tensor:
+    shape = list(value.shape)
+    value = value.reshape(shape[:dim] + list(factors) + shape[dim + 1 :])
+    for k, (start, extent) in enumerate(zip(starts, extents)):
+        if extent != factors[k]:
+            value = value.narrow(dim + k, start, extent)
+    return value.reshape(shape[:dim] + [math.prod(extents)] + shape[dim + 1 :])
+
+
+def block_of_replicated(value: torch.Tensor, spec: ShardTensorSpec, axes: Sequence[int] | None = None) -> torch.Tensor:
+    """This rank's block of a tensor broadcast against ``spec`` (dims aligned from the right),
+    cut along the mesh ``axes`` that replicate it (default: every axis)."""
+    coordinate = spec.coordinate()
+    lead = spec.ndim - value.ndim
+    axes = range(spec.mesh.ndim) if axes is None else axes
+    strided: dict[int, list[int]] = {}
+    for axis in axes:
+        placement = spec.placements[axis]
+        if type(placement) is Shard and placement.dim >= lead and value.shape[placement.dim - lead] > 1:
+            sizes = spec.axis_sizes[axis]
+            start = sum(sizes[: coordinate[axis]])  # type: ignore[index]
+            value = value.narrow(placement.dim - lead, start, sizes[coordinate[axis]])  # type: ignore[index]
+        elif type(placement) is StridedShard and placement.dim >= lead and value.shape[placement.dim - lead] > 1:
+            strided.setdefault(placement.dim, []).append(axis)
+    for dim, dim_axes in strided.items():
+        factors = list(next(p.factors for p in spec.placements if type(p) is StridedShard and p.dim == dim))
+        starts, extents = [0] * len(factors), list(factors)
+        for axis in dim_axes:
+            k, sizes = spec.placements[axis].factor, spec.axis_sizes[axis]  # type: ignore[union-attr]
+            starts[k], extents[k] = sum(sizes[: coordinate[axis]]), sizes[coordinate[axis]]  # type: ignore[index]
+        value = _narrowed_factors(value, dim - lead, factors, starts, extents)
+    return value
+
+
+def _axes_to_cut(operand: ShardTensorSpec, spec: ShardTensorSpec) -> list[int] | None:
+    """Mesh axes along which an operand must be cut to ``spec``'s block: those that replicate it.
+    None if some axis splits it otherwise than ``spec`` (or leaves a reduction pending)."""
+    lead = spec.ndim - operand.ndim
+    cut = []
+    for axis, (mine, theirs) in enumerate(zip(operand.placements, spec.placements)):
+        if type(mine) is Replicate:
+            cut.append(axis)
+            continue
+        if type(mine) is Shard and theirs == Shard(mine.dim + lead):
+            same = True
+        elif type(mine) is StridedShard and theirs == StridedShard(mine.dim + lead, mine.factors, mine.factor):
+            same = True
+        else:
+            same = False
+        if not same or operand.axis_sizes[axis] != spec.axis_sizes[axis]:
+            return None
+    return cut
+
+
+def _splits_alike(a: ShardTensorSpec, b: ShardTensorSpec) -> bool:
+    """Same global shape and split (memory layouts may differ: the op's result picks its own)."""
+    return a.shape == b.shape and a.placements == b.placements and a.axis_sizes == b.axis_sizes and a.mesh == b.mesh
+
+
+def _pointwise(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    spec = next(a._spec for a in args if isinstance(a, ShardTensor) and a._spec.strided)
+    shapes = [a.shape for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    if spec.has_partial or torch.broadcast_shapes(*shapes) != spec.shape:
+        return NotImplemented
+
+    def local(value: Any) -> Any:
+        if isinstance(value, ShardTensor):
+            if _splits_alike(value._spec, spec):
+                return value._local_tensor
+            axes = _axes_to_cut(value._spec, spec)
+            if axes is None:
+                raise _Unsupported
+            return block_of_replicated(value._local_tensor, spec, axes)
+        if isinstance(value, torch.Tensor) and value.ndim:
+            return block_of_replicated(value, spec)
+        return value
+
+    def meta(value: Any) -> Any:
+        if isinstance(value, ShardTensor):
+            value = torch.empty_strided(value.shape, value._spec.stride, dtype=value.dtype, device="meta")
+        elif isinstance(value, torch.Tensor):
+            value = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+        return value
+
+    if _writes_first(op) and not (isinstance(args[0], ShardTensor) and _splits_alike(args[0]._spec, spec)):
+        return NotImplemented
+    try:
+        local_args = [local(a) for a in args]
+        local_kwargs = {k: local(v) for k, v in kwargs.items()}
+    except _Unsupported:
+        return NotImplemented
+    result = op(*local_args, **local_kwargs)
+    if _writes_first(op):
+        return args[0]
+    # the global stride the result's layout implies, as torch picks it from the operands' layouts
+    meta_result = op(*[meta(a) for a in args], **{k: meta(v) for k, v in kwargs.items()})
+    results = result if isinstance(result, tuple) else (result,)
+    metas = meta_result if isinstance(meta_result, tuple) else (meta_result,)
+    wrapped = tuple(
+        ShardTensor(r, ShardTensorSpec(spec.mesh, spec.placements, spec.shape, spec.axis_sizes, m.stride()))
+        for r, m in zip(results, metas)
+    )
+    return wrapped if isinstance(result, tuple) else wrapped[0]
+
+
+class _Unsupported(Exception):
+    """An operand with a layout the strided pointwise path does not cut (it takes the general path)."""
+
+
+def _writes_first(op: torch._ops.OpOverload) -> bool:
+    arguments = op._schema.arguments
+    return bool(arguments) and arguments[0].alias_info is not None and arguments[0].alias_info.is_write
+
+
+# ----- reductions ---------------------------------------------------------------------------------
+def _reduction(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    tensor = args[0]
+    spec = tensor._spec
+    if spec.has_partial or not (tensor.dtype.is_floating_point or tensor.dtype.is_complex):
+        return NotImplemented
+    if op is aten.sum.default:
+        dims, keepdim, dtype = tuple(range(spec.ndim)), False, _dim_arg(args, kwargs, 1, "dtype", None)
+    else:
+        given = _dim_arg(args, kwargs, 1, "dim", None)
+        dims = tuple(range(spec.ndim)) if not given else tuple(sorted({d % spec.ndim for d in given}))
+        keepdim = _dim_arg(args, kwargs, 2, "keepdim", False)
+        dtype = _dim_arg(args, kwargs, 3, "dtype", None)
+    reduced_axes = [a for a, p in enumerate(spec.placements) if type(p) in _SHARDING and p.dim in dims]
+    local = aten.sum.dim_IntList(tensor._local_tensor, list(dims), True, dtype=dtype)
+    if op is aten.mean.dim:
+        local = local / math.prod(spec.shape[d] for d in dims)
+    for group in groups_spanning(spec.mesh, tuple(reduced_axes)):
+        local = collectives.all_reduce(local, "sum", group)
+    if not keepdim:
+        local = local.squeeze(dims) if dims else local
+    placements, sizes = [], []
+    for axis, placement in enumerate(spec.placements):
+        if axis in reduced_axes or type(placement) not in _SHARDING:
+            placements.append(Replicate())
+            sizes.append(None)
+            continue
+        shift = 0 if keepdim else sum(d < placement.dim for d in dims)
+        dim = placement.dim - shift
+        placements.append(Shard(dim) if type(placement) is Shard else StridedShard(dim, placement.factors, placement.factor))
+        sizes.append(spec.axis_sizes[axis])
+    shape = [1 if d in dims else n for d, n in enumerate(spec.shape) if keepdim or d not in dims]
+    return ShardTensor(local.contiguous(), ShardTensorSpec(spec.mesh, placements, shape, sizes))
+
+
+# ----- functions on trailing dims: strided dims viewed as their factors -------------------------
+def expanded_shape(spec: ShardTensorSpec) -> list[int]:
+    """The global shape with every strided dim split into its factors."""
+    factors = {p.dim: p.factors for p in spec.placements if type(p) is StridedShard}
+    return [n for d, extent in enumerate(spec.shape) for n in factors.get(d, (extent,))]
+
+
+def _through_factors(trailing_dims: Callable[[tuple, dict], int]) -> Callable[[Any], Any]:
+    """Wrap a function handler for functions that act on the trailing dims of their first argument."""
+
+    def wrap(original: dispatch.FunctionHandler) -> dispatch.FunctionHandler:
+        def handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
+            x = args[0]
+            spec = x._spec if isinstance(x, ShardTensor) else None
+            strided = [] if spec is None else sorted({p.dim for p in spec.placements if type(p) is StridedShard})
+            if spec is None or not strided or max(strided) >= spec.ndim - trailing_dims(args, kwargs):
+                return original(func, types, args, kwargs)
+            factors = {p.dim: p.factors for p in spec.placements if type(p) is StridedShard}
+            out = func(x.view(expanded_shape(spec)), *args[1:], **kwargs)
+            for dim in reversed(strided):  # flatten back from the right: earlier dims keep their index
+                start = dim + sum(len(factors[d]) - 1 for d in strided if d < dim)
+                out = out.flatten(start, start + len(factors[dim]) - 1)
+            return out
+
+        return handler
+
+    return wrap
+
+
+def _normalized_dims(args: tuple, kwargs: dict) -> int:
+    shape = _dim_arg(args, kwargs, 1, "normalized_shape")
+    return 1 if isinstance(shape, int) else len(shape)
+
+
+def _register_function_wrappers() -> None:
+    wrappers = {
+        F.linear: _through_factors(lambda args, kwargs: 1),
+        torch.matmul: _through_factors(lambda args, kwargs: 1),
+        torch.Tensor.matmul: _through_factors(lambda args, kwargs: 1),
+        torch.Tensor.__matmul__: _through_factors(lambda args, kwargs: 1),
+        F.layer_norm: _through_factors(_normalized_dims),
+    }
+    for func, wrap in wrappers.items():
+        original = dispatch.registered_function_handler(func)
+        if original is None:
+            raise RuntimeError(f"ops/strided.py wraps the handler of {func}, which is not registered yet")
+        ShardTensor.register_function_handler(func, wrap(original), strided=True)
+
+
+# ----- registration -------------------------------------------------------------------------------
+_STRUCTURAL = (
+    aten.permute.default,
+    aten.transpose.int,
+    aten.unsqueeze.default,
+    aten.select.int,
+    aten.unbind.int,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+)
+_SAME_LAYOUT = (
+    aten.clone.default,
+    aten.detach.default,
+    aten.alias.default,
+    aten._to_copy.default,
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.empty_like.default,
+)
+for _op in _STRUCTURAL:
+    ShardTensor.register_strided_handler(_op, _structural)
+for _op in _SAME_LAYOUT:
+    ShardTensor.register_strided_handler(_op, _same_layout)
+ShardTensor.register_strided_handler(aten.stack.default, _stack)
+for _op in (aten.sum.default, aten.sum.dim_IntList, aten.mean.dim):
+    ShardTensor.register_strided_handler(_op, _reduction)
+dispatch.set_strided_pointwise_handler(_pointwise)
+_register_function_wrappers()
