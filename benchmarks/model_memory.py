@@ -280,6 +280,24 @@ def plain_reference(args: argparse.Namespace, threads: int, device: torch.device
 
 
 # ----- ranks -----------------------------------------------------------------------------------
+FLOOR = "floor"  # the "data_parallel" of the concurrent plain processes (see _floor_body)
+
+
+def _floor_body(args: argparse.Namespace, world: int, rank: int, group: Any) -> dict[str, Any]:
+    """The plain model on this process's 1/world of the grid, all processes at once, no communication.
+
+    What ``world`` processes on this machine can do at best: the same work as a sharded step
+    (minus halos), run concurrently, so shared cores, memory bandwidth and caches are in it.
+    """
+    rows = args.grid[0] // world
+    grid = (rows, args.grid[1])
+    model = build_model(grid, args.state_channels, args.cond_channels, args.model, args.seed)
+    inputs = global_batch(args.batch, args.state_channels, args.cond_channels, grid, args.seed + rank)
+    result = measure_step(model, list(model.parameters()), inputs, torch.device("cpu"), warmup=args.warmup,
+                          steps=args.steps, before_each=lambda: dist.barrier(group=group))
+    return {"rank": rank, "local_grid": list(grid), **result}
+
+
 def _rank_body(args: argparse.Namespace, data_parallel: str) -> dict[str, Any]:
     """One rank's measurement on a ("data", "domain") = (1, world) mesh; collective."""
     from physics_dp.distributed import DistributedManager
@@ -287,6 +305,8 @@ def _rank_body(args: argparse.Namespace, data_parallel: str) -> dict[str, Any]:
     from physics_dp.shard_tensor import Shard, distribute_tensor
 
     manager = DistributedManager()
+    if data_parallel == FLOOR:
+        return _floor_body(args, manager.world_size, manager.rank, dist.group.WORLD)
     mesh = manager.initialize_mesh((1, manager.world_size), ("data", "domain"))
     device = manager.device
     model = build_model(args.grid, args.state_channels, args.cond_channels, args.model, args.seed).to(device)
@@ -337,7 +357,9 @@ def sharded_run(args: argparse.Namespace, world: int, data_parallel: str) -> dic
         mp.spawn(_spawned_rank, args=(world, _free_port(), args, data_parallel, out_path), nprocs=world, join=True)
         with open(out_path) as handle:
             per_rank = json.load(handle)
-    merged: dict[str, Any] = {"config": f"{world} rank{'s' if world > 1 else ''} x1 thr ({data_parallel})", "kind": "sharded",
+    label = (f"{world} procs x1 thr, plain model on 1/{world} of the grid each, no communication (floor)"
+             if data_parallel == FLOOR else f"{world} rank{'s' if world > 1 else ''} x1 thr ({data_parallel})")
+    merged: dict[str, Any] = {"config": label, "kind": "floor" if data_parallel == FLOOR else "sharded",
                               "ranks": world, "threads": 1, "data_parallel": data_parallel, "per_rank": per_rank}
     for key in per_rank[0]:
         values = [r[key] for r in per_rank]
@@ -402,6 +424,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default="lite", help="configs/model/<MODEL>.yaml whose regression block to use")
     parser.add_argument("--ranks", nargs="+", type=int, default=[1, 2, 4], help="domain rank counts (default 1 2 4)")
     parser.add_argument("--data-parallel", nargs="+", default=["none"], choices=["none", "fsdp"])
+    parser.add_argument("--floor", action="store_true",
+                        help="add, per rank count N > 1, N concurrent plain processes on 1/N of the grid each: "
+                        "the best an N-rank step can do on this machine")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (>= 1: AdamW allocates its state)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps; the median is reported")
     parser.add_argument("--seed", type=int, default=0)
@@ -427,6 +452,8 @@ def main(argv: Sequence[str] | None = None) -> str:
         notes.append(f"{max(ranks)} ranks on {cores} cores are oversubscribed: their times are not scaling numbers")
     rows = [plain_reference(args, threads, device) for threads in (sorted({1, *ranks}) if not cuda else [1])]
     rows += [sharded_run(args, world, dp) for dp in args.data_parallel for world in ranks]
+    if args.floor:
+        rows += [sharded_run(args, world, FLOOR) for world in ranks if world > 1]
     rows = summarize(rows)
     title = (f"StormCast regression U-Net ({args.model}) training step, global (N,C,H,W) = "
              f"({args.batch},{args.state_channels}+{args.cond_channels},{args.grid[0]},{args.grid[1]}), "
