@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
@@ -32,6 +33,7 @@ from ..shard_tensor.dispatch import run_default
 from ..shard_tensor.placements import StridedShard
 from ..shard_tensor.redistribute import contiguous_layout
 from ._local import ShardedOpError, local_input, sum_grad_over_axes, wrap_local
+from .grad_sums import sum_replicated
 
 __all__ = ["RingMeta"]
 
@@ -216,6 +218,7 @@ class _RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the ring's explicit backward is not differentiated: a double backward raises
     def backward(ctx, grad_out):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         meta: RingMeta = ctx.meta
@@ -242,18 +245,6 @@ class _RingAttention(torch.autograd.Function):
                 block = _rotate(block, meta, (owner - 1) % meta.size).wait()[(meta.me - 1) % meta.size]
         grad_k, grad_v = block[..., -(e_k + e_v) : -e_v], block[..., -e_v:]
         return grad_q, grad_k.contiguous(), grad_v.contiguous(), None
-
-
-class _SumOverAxis(torch.autograd.Function):
-    """All-reduce sum whose gradient is the (replicated) output gradient itself."""
-
-    @staticmethod
-    def forward(ctx, tensor, group):  # type: ignore[override]
-        return collectives.all_reduce(tensor, "sum", group)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return grad, None
 
 
 def contiguous(t: ShardTensor) -> ShardTensor:
@@ -420,8 +411,8 @@ def _sdpa_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
         block_out, block_lse = _block_forward(q_l, k_l, v_l, bias, scale, differentiable_lse=True)
         peak = collectives.all_reduce(block_lse.detach(), "max", meta.group)
         weight = torch.exp(block_lse - _finite(peak))
-        total = _SumOverAxis.apply(weight, meta.group)
-        out = _SumOverAxis.apply(block_out * weight[..., None], meta.group) / torch.where(total > 0, total, 1)[..., None]
+        total = sum_replicated(weight, [meta.group])
+        out = sum_replicated(block_out * weight[..., None], [meta.group]) / torch.where(total > 0, total, 1)[..., None]
     shape = (*q.shape[:-1], v.shape[-1])
     like = q if isinstance(q, ShardTensor) else anchor
     if not isinstance(q, ShardTensor):

@@ -1,5 +1,8 @@
 """Sums of parameter gradients over the mesh axes that split the data: bucketed at the end of backward.
 
+Also the differentiable sums over ranks that backwards use under ``create_graph`` (a double
+backward): :func:`sum_shares`, :func:`sum_replicated` and :func:`creating_graph`.
+
 Each rank's local compute yields only its slab's share of a shared parameter's gradient; the
 shares must be summed over the sharded axes exactly once.  Summing at every use costs one
 collective per parameter use (hundreds per step, each with gloo's ~0.3 ms floor).  Instead, a
@@ -14,6 +17,8 @@ A share is summed at once, as before, where deferring could be observed:
 - the parameter is not a leaf (a cast or view of one, FSDP's and DTensor's local views);
 - autograd will not accumulate into it (``torch.autograd.grad``, ``backward(inputs=...)``
   without it): the captured gradient itself must be the sum;
+- under ``create_graph`` (a double backward): the sum is itself differentiated
+  (:func:`sum_replicated`);
 - inside :func:`immediate_parameter_sums`, which the FSDP/DDP output adapter enters: their
   hooks read ``.grad`` during backward, before the end of the pass.
 """
@@ -28,7 +33,15 @@ import torch
 from ..distributed import collectives
 from ..distributed.tracing import is_tracing
 
-__all__ = ["BUCKET_BYTES", "immediate_parameter_sums", "sum_over_groups", "SumGradOverGroups"]
+__all__ = [
+    "BUCKET_BYTES",
+    "immediate_parameter_sums",
+    "sum_over_groups",
+    "SumGradOverGroups",
+    "creating_graph",
+    "sum_shares",
+    "sum_replicated",
+]
 
 BUCKET_BYTES = 32 * 2**20
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -45,6 +58,16 @@ def immediate_parameter_sums() -> Iterator[None]:
         yield
     finally:
         _immediate_depth -= 1
+
+
+def creating_graph() -> bool:
+    """Whether the running backward must itself be differentiable (eager ``create_graph=True``).
+
+    Such a backward builds its gradients from differentiable pieces (a plain backward keeps its
+    fast in-place path).  A compiled backward is traced ahead of time with its own grad mode and
+    takes the plain path (torch.compile does not differentiate its backward again).
+    """
+    return torch.is_grad_enabled() and not is_tracing()
 
 
 def sum_over_groups(grad: torch.Tensor, groups: Sequence) -> torch.Tensor:
@@ -127,10 +150,42 @@ class SumGradOverGroups(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        if creating_graph():  # the summed gradient must be differentiable, now
+            return sum_replicated(grad, ctx.groups), None
         if ctx.deferrable and _will_accumulate(ctx.next_functions[0][0]):
             _defer(ctx.param, ctx.groups, grad)
             return None, None
         return sum_over_groups(grad, ctx.groups), None
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce sum; its gradient by how ranks use the sum (see :func:`sum_shares`, :func:`sum_replicated`)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, groups: tuple, shares: bool) -> torch.Tensor:  # type: ignore[override]
+        ctx.groups, ctx.shares = groups, shares
+        return sum_over_groups(tensor, groups)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        if ctx.shares:  # its own adjoint: differentiable any number of times
+            return _SumOverRanks.apply(grad, ctx.groups, True), None, None
+        # identity; differentiated again it is SumGradOverGroups, its adjoint: the output gradient
+        # then feeds each rank's own local backward, whose shares must be summed on the way back
+        return (SumGradOverGroups.apply(grad, ctx.groups) if creating_graph() else grad), None, None
+
+
+def sum_shares(tensor: torch.Tensor, groups: Sequence) -> torch.Tensor:
+    """The sum over ``groups``, used differently by each rank (statistics of a sharded grid, each
+    normalizing its own slab): each rank's gradient of the sum is only its share, so the input's
+    gradient is the sum of the shares, an all-reduce again."""
+    return _SumOverRanks.apply(tensor, tuple(groups), True)
+
+
+def sum_replicated(tensor: torch.Tensor, groups: Sequence) -> torch.Tensor:
+    """The sum over ``groups``, used alike by every rank (a parameter's gradient, then a penalty on
+    it): each rank's gradient of the sum is already the whole, and is the input's gradient."""
+    return _SumOverRanks.apply(tensor, tuple(groups), False)
 
 
 def _will_accumulate(node: torch.autograd.graph.Node) -> bool:
