@@ -9,7 +9,8 @@ so peers need not be adjacent.  A plan depends only on the split, the windows an
 never on data, so every rank derives its peers' needs itself and plans are cached.
 
 The backward pass sends each halo row's gradient back to the rank that owns the row, where it
-is added to the slab gradient.  A 2-D decomposition exchanges one sharded dim after the other;
+is added to the slab gradient.  Under a double backward (``create_graph=True``) that backward is
+itself a differentiable function whose backward is the gather again.  A 2-D decomposition exchanges one sharded dim after the other;
 the second exchange carries the first one's halo rows, so corners are right.
 """
 
@@ -22,12 +23,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
 from ..distributed.tracing import is_tracing
 from ..shard_tensor import ShardTensorSpec
+from .grad_sums import creating_graph
 
 __all__ = [
     "EDGE_MODES",
@@ -286,33 +287,59 @@ class _GatherWindow(torch.autograd.Function):
         return torch.cat([_segment_rows(pieces[s.source], dim, s) for s in plan.segments], dim)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None
-        plan, dim = ctx.plan, ctx.dim
-        own = _own_segment_position(plan.segments, plan.me, ctx.local_shape[dim])
-        if own is None:
-            grad_local = grad.new_zeros(ctx.local_shape)
-        else:  # the window holds the whole slab once, ascending: start from that part, not zeros + add
-            grad_local = grad.narrow(dim, own, ctx.local_shape[dim])
-            mine = sum(1 for segment in plan.segments if segment.source == plan.me)
-            if plan.sends or mine > 1:  # rows will be added to it: a copy of our own
-                grad_local = grad_local.clone(memory_format=torch.contiguous_format)
-        grad_pieces = {peer: grad.new_zeros(_with_extent(grad.shape, dim, count)) for peer, count in plan.receives}
-        grad_pieces[plan.me] = grad_local
-        position = 0
-        for segment in plan.segments:
-            if segment.source != CONSTANT and not (own is not None and position == own and segment.source == plan.me):
-                piece_grad = grad.narrow(dim, position, segment.length)
-                _accumulate_segment(grad_pieces[segment.source], dim, segment, piece_grad)
-            position += segment.length
-        sends = {peer: grad_pieces[peer] for peer, _ in plan.receives}
-        recv_shapes = {peer: _with_extent(grad.shape, dim, len(rows)) for peer, rows in plan.sends}
-        returned = _exchange(sends, recv_shapes, ctx.group, grad)
-        for peer, rows in plan.sends:
-            _add_rows(grad_local, dim, rows, returned[peer])
-        return grad_local, None, None, None, None
+        if creating_graph() and grad.requires_grad:  # the adjoint as a function autograd can differentiate
+            return _ScatterWindow.apply(grad, ctx.plan, ctx.dim, ctx.group, ctx.local_shape), None, None, None, None
+        return _scatter_window(grad, ctx.plan, ctx.dim, ctx.group, ctx.local_shape), None, None, None, None
+
+
+def _scatter_window(
+    grad: torch.Tensor, plan: WindowPlan, dim: int, group: ProcessGroup | None, local_shape: torch.Size
+) -> torch.Tensor:
+    """The adjoint of the window gather: each window row's gradient goes home and is added to its row."""
+    own = _own_segment_position(plan.segments, plan.me, local_shape[dim])
+    if own is None:
+        grad_local = grad.new_zeros(local_shape)
+    else:  # the window holds the whole slab once, ascending: start from that part, not zeros + add
+        grad_local = grad.narrow(dim, own, local_shape[dim])
+        mine = sum(1 for segment in plan.segments if segment.source == plan.me)
+        if plan.sends or mine > 1:  # rows will be added to it: a copy of our own
+            grad_local = grad_local.clone(memory_format=torch.contiguous_format)
+    grad_pieces = {peer: grad.new_zeros(_with_extent(grad.shape, dim, count)) for peer, count in plan.receives}
+    grad_pieces[plan.me] = grad_local
+    position = 0
+    for segment in plan.segments:
+        if segment.source != CONSTANT and not (own is not None and position == own and segment.source == plan.me):
+            piece_grad = grad.narrow(dim, position, segment.length)
+            _accumulate_segment(grad_pieces[segment.source], dim, segment, piece_grad)
+        position += segment.length
+    sends = {peer: grad_pieces[peer] for peer, _ in plan.receives}
+    recv_shapes = {peer: _with_extent(grad.shape, dim, len(rows)) for peer, rows in plan.sends}
+    returned = _exchange(sends, recv_shapes, group, grad)
+    for peer, rows in plan.sends:
+        _add_rows(grad_local, dim, rows, returned[peer])
+    return grad_local
+
+
+class _ScatterWindow(torch.autograd.Function):
+    """The window gather's backward as a function, for double backward: its own backward is the gather.
+
+    The gather is affine in the slab (constant rows do not depend on it), so the adjoint's
+    adjoint is the gather with constant rows of zero.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, grad: torch.Tensor, plan: WindowPlan, dim: int, group: ProcessGroup | None, local_shape: torch.Size
+    ) -> torch.Tensor:
+        ctx.plan, ctx.dim, ctx.group = plan, dim, group
+        return _scatter_window(grad, plan, dim, group, local_shape)
+
+    @staticmethod
+    def backward(ctx, grad_grad: torch.Tensor):  # type: ignore[override]
+        return _GatherWindow.apply(grad_grad, ctx.plan, ctx.dim, ctx.group, 0.0), None, None, None, None
 
 
 def gather_window(

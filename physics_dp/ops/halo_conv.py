@@ -8,7 +8,9 @@ convolution runs while it is in flight, then a convolution of each received halo
 rows) is added to the boundary rows.  The backward mirrors it: the output gradient's ``r``
 boundary rows travel to the neighbours while the slab's ``convolution_backward`` runs (only the
 gradients autograd asks for), then the neighbours' rows add their share to the boundary of the
-input gradient, and the halo strips add theirs to the weight gradient.
+input gradient, and the halo strips add theirs to the weight gradient.  A double backward
+(``create_graph=True``) instead differentiates the same convolution written with the
+differentiable window gather (:mod:`.halo`): slower, but only that case pays for it.
 
 Eligible: stride 1, zero padding ``r`` on both sides with ``2 r`` equal to the kernel's span,
 one sharded spatial dim, and every shard at least ``r`` rows (halos come from adjacent ranks
@@ -24,10 +26,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
+from .halo import gather_window, uniform_windows
+from .grad_sums import creating_graph
 
 __all__ = ["HaloConvGeometry", "halo_conv"]
 
@@ -45,6 +48,7 @@ class HaloConvGeometry:
     dilation: tuple[int, ...]
     groups: int
     group: ProcessGroup
+    sizes: tuple[int, ...]  # the split of the sharded dim over ``group``
     has_prev: bool
     has_next: bool
 
@@ -142,8 +146,9 @@ class _HaloConv(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        if creating_graph():  # a backward that autograd can differentiate again
+            return _differentiable_backward(ctx, grad)
         local, weight, *strips = ctx.saved_tensors
         geometry: HaloConvGeometry = ctx.geometry
         dim, r, n = geometry.dim, geometry.reach, local.shape[0]
@@ -173,6 +178,34 @@ class _HaloConv(torch.autograd.Function):
             None if grad_bias is None else grad_bias.to(bias_dtype),
             None,
         )
+
+
+def _differentiable_backward(ctx, grad: torch.Tensor) -> tuple:
+    """The gradients as a differentiable function of the saved slab, weight and ``grad``.
+
+    The convolution is re-run on the slab widened by its halo (window gather, whose backward is
+    differentiable) and differentiated with ``create_graph``; the bias gradient is a sum of ``grad``.
+    """
+    local, weight = ctx.saved_tensors[:2]
+    input_dtype, weight_dtype, bias_dtype = ctx.dtypes
+    if local.dtype != input_dtype or weight.dtype != weight_dtype:
+        raise RuntimeError(
+            "halo convolution: cannot differentiate twice a convolution run under autocast (its saved inputs "
+            "are the casts); run the double backward in full precision"
+        )
+    geometry: HaloConvGeometry = ctx.geometry
+    r = geometry.reach
+    wanted = [t for t, need in zip((local, weight), ctx.needs_input_grad[:2]) if need]
+    window = gather_window(local, geometry.dim, geometry.sizes, uniform_windows(geometry.sizes, r, r), group=geometry.group)
+    conv = _CONV_BY_DIMS[local.ndim - 2]
+    y = conv(window, weight, None, geometry.stride, geometry.strip_padding(), geometry.dilation, geometry.groups)
+    grads = iter(torch.autograd.grad(y, wanted, grad, create_graph=True)) if wanted else iter(())
+    grad_input = next(grads) if ctx.needs_input_grad[0] else None
+    grad_weight = next(grads) if ctx.needs_input_grad[1] else None
+    grad_bias = None
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        grad_bias = grad.sum([d for d in range(grad.ndim) if d != 1]).to(bias_dtype)
+    return grad_input, grad_weight, grad_bias, None
 
 
 def _autocast(local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
@@ -210,4 +243,4 @@ def eligible_geometry(
     span = dim_dilation * (dim_kernel - 1)
     if dim_stride != 1 or left != right or 2 * reach != span or reach == 0 or min(sizes) < reach:
         return None
-    return HaloConvGeometry(dim=dim, reach=reach, has_prev=me > 0, has_next=me < len(sizes) - 1, **conv_args)
+    return HaloConvGeometry(dim=dim, reach=reach, sizes=tuple(sizes), has_prev=me > 0, has_next=me < len(sizes) - 1, **conv_args)
