@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
 from ..shard_tensor import Replicate, ShardTensor
 from ..shard_tensor.dispatch import run_default
 from ._local import ShardedOpError, data_axes, groups_spanning, local_input, local_param, sharded_axes, wrap_local
+from .grad_sums import SumGradOverGroups, creating_graph, sum_shares
 from .moments import LOW_PRECISION, global_moments, local_moments, merge_moments
 
 __all__: list[str] = []
@@ -118,18 +118,19 @@ class _ChannelNorm(torch.autograd.Function):
         scale = rstd_c if weight is None else rstd_c * weight.double()
         shift = -mean_c * scale if bias is None else bias.double() - mean_c * scale
         y = _scale_shift(x3, scale, shift)
-        ctx.save_for_backward(x3, weight)
+        ctx.save_for_backward(x3, weight, bias)
         ctx.stats = (mean, rstd, total, scale)
-        ctx.layout, ctx.groups = layout, groups
+        ctx.layout, ctx.groups, ctx.eps = layout, groups, eps
         ctx.has_bias = bias is not None
         out_mean, out_var = mean.to(x3.dtype), var.to(x3.dtype)
         ctx.mark_non_differentiable(out_mean, out_var)
         return y, out_mean, out_var
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad: torch.Tensor, _mean_grad: torch.Tensor, _var_grad: torch.Tensor):  # type: ignore[override]
-        x3, weight = ctx.saved_tensors
+        if creating_graph():
+            return (*_differentiated(ctx, grad, _channel_norm_again), None, None, None)
+        x3, weight, _ = ctx.saved_tensors
         mean, rstd, total, scale = ctx.stats
         layout = ctx.layout
         channels = x3.shape[1]
@@ -186,35 +187,84 @@ class _NormalizeGlobally(torch.autograd.Function):
     """xhat = (x - mean) / sqrt(var + eps), with mean and var over the trailing ``dims`` of the global tensor.
 
     The slab is viewed as rows (leading index) x the normalized values, so the normalization and
-    its closed-form backward are fused per-row passes (:func:`_scale_shift`).
+    its closed-form backward are fused per-row passes (:func:`_scale_shift`).  Low-precision
+    slabs are normalized in fp32 (the output's dtype); the slab itself is kept, uncast, for a
+    double backward (a reference, as torch's layer norm keeps its input).
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, x: torch.Tensor, dims: tuple[int, ...], groups: tuple[ProcessGroup, ...], eps: float
+        ctx, slab: torch.Tensor, dims: tuple[int, ...], groups: tuple[ProcessGroup, ...], eps: float
     ) -> torch.Tensor:
+        x = slab.float() if slab.dtype in LOW_PRECISION else slab
         count, mean, m2 = global_moments(x, dims, groups)
         count = count.clamp(min=1)
         rstd = torch.rsqrt(m2 / count + eps).reshape(1, -1)
         ctx.row_shape = (1, rstd.shape[1], math.prod(x.shape[d] for d in dims))
         xhat = _scale_shift(x.reshape(ctx.row_shape), rstd, -mean.reshape(1, -1) * rstd).view(x.shape)
-        ctx.save_for_backward(xhat, rstd, count)
-        ctx.groups = groups
+        ctx.save_for_backward(xhat, rstd, count, slab)
+        ctx.groups, ctx.dims, ctx.eps = groups, dims, eps
         return xhat
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
-        xhat, rstd, count = ctx.saved_tensors
+        if creating_graph():
+            return (*_differentiated(ctx, grad, _normalize_again), None, None, None)
+        xhat, rstd, count, slab = ctx.saved_tensors
         rows, grad_rows = xhat.reshape(ctx.row_shape), grad.reshape(ctx.row_shape)
         sums = torch.stack([grad_rows.sum(2), torch.einsum("ncl,ncl->nc", grad_rows, rows)]).double()
         for group in ctx.groups:
             sums = collectives.all_reduce(sums, "sum", group)
         mean_grad, mean_grad_xhat = sums / count
         grad_x = _scale_shift(rows, -rstd * mean_grad_xhat, -rstd * mean_grad)
-        return grad_x.addcmul_(grad_rows, rstd.to(grad.dtype).unsqueeze(-1)).view(grad.shape), None, None, None
+        grad_x = grad_x.addcmul_(grad_rows, rstd.to(grad.dtype).unsqueeze(-1)).view(grad.shape)
+        return grad_x.to(slab.dtype), None, None, None
+
+
+# ----- double backward: the forward again, from differentiable pieces --------------------------
+def _differentiated(ctx, grad: torch.Tensor, again: Callable[..., tuple]) -> list[torch.Tensor | None]:
+    """Gradients of the inputs ``again(ctx)`` names, as differentiable functions of them and ``grad``.
+
+    Under ``create_graph`` the closed-form backward (in-place, non-differentiable all-reduce) is
+    replaced by differentiating the normalization written with :func:`.grad_sums.sum_shares`: one
+    more forward's work, paid only by a double backward.
+    """
+    output, inputs = again(ctx)
+    wanted = [t for t, need in zip(inputs, ctx.needs_input_grad) if need and t is not None]
+    grads = iter(torch.autograd.grad(output, wanted, grad, create_graph=True) if wanted else ())
+    return [next(grads) if need and t is not None else None for t, need in zip(inputs, ctx.needs_input_grad)]
+
+
+def _channel_norm_again(ctx) -> tuple[torch.Tensor, tuple]:
+    """Group, batch or instance norm of the saved slab (see :class:`_ChannelNorm`), differentiably."""
+    x3, weight, bias = ctx.saved_tensors
+    layout, groups, total = ctx.layout, ctx.groups, ctx.stats[2]
+    n, c, _ = x3.shape
+    xd = x3.double()
+    sums = torch.stack([xd.sum(2), xd.square().sum(2)])  # per (sample, channel)
+    if not layout.per_sample:
+        sums = sums.sum(1, keepdim=True)
+    s1, s2 = sum_shares(layout.per_stat(sums.flatten(0, 1)).view(2, -1, layout.groups), groups)
+    mean = s1 / total
+    rstd = torch.rsqrt(s2 / total - mean.square() + ctx.eps)
+    y = (xd - layout.per_channel(mean, c).unsqueeze(-1)) * layout.per_channel(rstd, c).unsqueeze(-1)
+    if weight is not None:  # the statistics' ranks each hold a share of the affine gradients
+        y = y * SumGradOverGroups.apply(weight, groups).double().unsqueeze(-1)
+    if bias is not None:
+        y = y + SumGradOverGroups.apply(bias, groups).double().unsqueeze(-1)
+    return y.to(x3.dtype), (x3, weight, bias)
+
+
+def _normalize_again(ctx) -> tuple[torch.Tensor, tuple]:
+    """Layer norm's normalization of the saved slab (see :class:`_NormalizeGlobally`), differentiably."""
+    x, count, dims = ctx.saved_tensors[3], ctx.saved_tensors[2], ctx.dims
+    xd = x.double()  # the forward's output is fp32 for a low-precision slab: see the return
+    s1, s2 = sum_shares(torch.stack([xd.sum(dims, keepdim=True), xd.square().sum(dims, keepdim=True)]), ctx.groups)
+    mean = s1 / count
+    xhat = (xd - mean) * torch.rsqrt(s2 / count - mean.square() + ctx.eps)
+    return xhat.to(torch.promote_types(x.dtype, torch.float32)), (x,)
 
 
 # ----- shared pieces --------------------------------------------------------------------------
@@ -392,8 +442,7 @@ def _layer_norm(
     groups = _groups_over(x, dims)
     if not groups:
         return _finish(F.layer_norm(local, normalized_shape, w, b, eps), x)
-    work = local.float() if local.dtype in LOW_PRECISION else local
-    xhat = _NormalizeGlobally.apply(work, dims, groups, eps)
+    xhat = _NormalizeGlobally.apply(local, dims, groups, eps)
     w, b = _slab_of_param(w, x, first), _slab_of_param(b, x, first)
     y = xhat if w is None else xhat * w
     y = y if b is None else y + b
