@@ -28,6 +28,7 @@ RUNS = [
     ("03_attention.py", 2),
     ("04_custom_op.py", 2),
     ("05_inverse_problem.py", 3),
+    ("06_physics_informed.py", 3),
 ]
 
 
