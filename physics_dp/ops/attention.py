@@ -4,6 +4,8 @@
   (the next block is in flight while the current one is computed) and per-block results merge
   with a stable log-sum-exp.  The backward runs the ring again, carrying each block's dK/dV
   accumulators home.  Memory per rank is one block of scores, never the full L x S matrix.
+  A double backward (``create_graph``) instead gathers every K/V block (differentiably) and
+  differentiates explicit attention over them.
 - q sharded, k/v whole on every rank (e.g. cross-attention to a replicated context): local, and
   the k/v gradients are summed over the axis.
 - q whole, k/v sharded: each rank attends to its keys; one max, one sum and one weighted-sum
@@ -15,13 +17,13 @@ offsets, so uneven and empty shards are exact.  Works on CPU/gloo (no fused kern
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
@@ -33,7 +35,8 @@ from ..shard_tensor.dispatch import run_default
 from ..shard_tensor.placements import StridedShard
 from ..shard_tensor.redistribute import contiguous_layout
 from ._local import ShardedOpError, local_input, sum_grad_over_axes, wrap_local
-from .grad_sums import sum_replicated
+from .grad_sums import creating_graph, sum_replicated
+from .halo import gather_window
 
 __all__ = ["RingMeta"]
 
@@ -218,8 +221,9 @@ class _RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable  # the ring's explicit backward is not differentiated: a double backward raises
     def backward(ctx, grad_out):  # type: ignore[override]
+        if creating_graph():
+            return (*_differentiable_ring_backward(ctx, grad_out), None)
         q, k, v, out, lse = ctx.saved_tensors
         meta: RingMeta = ctx.meta
         e_k, e_v = k.shape[-1], v.shape[-1]
@@ -249,6 +253,28 @@ class _RingAttention(torch.autograd.Function):
 
 def contiguous(t: ShardTensor) -> ShardTensor:
     return redistribute_to_spec(t, contiguous_layout(t._spec)) if t._spec.strided else t
+
+
+def _differentiable_ring_backward(ctx, grad_out: torch.Tensor) -> list[torch.Tensor | None]:
+    """Ring attention's gradients as differentiable functions of q, k, v and ``grad_out`` (double backward).
+
+    Every rank gathers all keys and values with the window gather (its backward, sending each
+    rank's key gradients home, differentiates again), attends over them with explicit scores and
+    differentiates that with ``create_graph``: whole K/V per rank, paid only by a double backward.
+    """
+    q, k, v = ctx.saved_tensors[:3]
+    meta: RingMeta = ctx.meta
+    total = sum(meta.kv_sizes)
+    windows, dim = ((0, total),) * meta.size, k.ndim - 2
+    k_all = gather_window(k, dim, meta.kv_sizes, windows, group=meta.group)
+    v_all = gather_window(v, dim, meta.kv_sizes, windows, group=meta.group)
+    whole = dataclasses.replace(meta, kv_sizes=(total,))
+    bias = _block_bias(whole, q.shape[-2], 0, total, q.device, q.dtype)
+    out, _ = _block_forward(q, k_all, v_all, bias, meta.scale, differentiable_lse=True)
+    inputs = (q, k, v)
+    wanted = [t for t, need in zip(inputs, ctx.needs_input_grad) if need]
+    grads = iter(torch.autograd.grad(out, wanted, grad_out, create_graph=True) if wanted else ())
+    return [next(grads) if need else None for need in ctx.needs_input_grad[:3]]
 
 
 # ----- argument handling --------------------------------------------------------------------

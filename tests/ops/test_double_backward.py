@@ -203,7 +203,7 @@ def _autocast_fast_path_refuses(world):
     """The conv fast path saves bf16 casts under autocast: a double backward would miss the cast."""
     mesh = get_mesh((world,))
     conv = nn.Conv2d(3, 4, 3, padding=1)
-    x = distribute_tensor(torch.randn(2, 3, 13, 6), mesh, [Shard(2)], {0: UNEVEN_H[world]}).requires_grad_(True)
+    x = distribute_tensor(torch.randn(2, 3, 13, 6, generator=torch.Generator().manual_seed(1)), mesh, [Shard(2)], {0: UNEVEN_H[world]}).requires_grad_(True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = conv(x).float()
     (gx,) = torch.autograd.grad(y.square().sum(), x, retain_graph=True)  # a plain backward works
@@ -212,26 +212,21 @@ def _autocast_fast_path_refuses(world):
     return gx.shape == x.shape
 
 
-def _ring_attention_refuses(world):
+def _attention_penalty(world, q_placements, kv_placements, causal):
+    """Input gradients of a gradient penalty through sdpa (one device: torch's math kernel)."""
     mesh = get_mesh((world,))
-    q = distribute_tensor(torch.randn(1, 2, 9, 4), mesh, [Shard(2)], {0: UNEVEN_TOKENS[world]}).requires_grad_(True)
-    out = F.scaled_dot_product_attention(q, q, q)
-    (gq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError, match="differentiate twice"):
-        gq.square().sum().backward()
-    return True
+    q, kv = torch.randn(2, 1, 2, 9, 4, generator=torch.Generator().manual_seed(2))  # the same on every rank
 
+    def shard(t, placements):
+        split = {0: UNEVEN_TOKENS[world]} if placements[0].is_shard() else None
+        return distribute_tensor(t, mesh, placements, split).requires_grad_(True)
 
-def _attention_keys_sharded(world):
-    """Keys and values sharded, queries whole: per-rank blocks merged by differentiable sums."""
-    mesh = get_mesh((world,))
-    q, kv = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 9, 4)
-    qs = distribute_tensor(q, mesh, [Replicate()]).requires_grad_(True)
-    kvs = distribute_tensor(kv, mesh, [Shard(2)], {0: UNEVEN_TOKENS[world]}).requires_grad_(True)
+    qs, kvs = shard(q, q_placements), shard(kv, kv_placements)
     q, kv = q.requires_grad_(True), kv.requires_grad_(True)
     for a, b in ((q, kv), (qs, kvs)):
         with sdpa_kernel(SDPBackend.MATH):  # torch's fused CPU kernel has no double backward
-            ga, gb = torch.autograd.grad(F.scaled_dot_product_attention(a, b, b).square().sum(), (a, b), create_graph=True)
+            y = F.scaled_dot_product_attention(a, b, b, is_causal=causal)
+            ga, gb = torch.autograd.grad(y.square().sum(), (a, b), create_graph=True)
         (ga.square().sum() + gb.square().sum()).backward()
     torch.testing.assert_close(qs.grad.full_tensor(), q.grad, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(kvs.grad.full_tensor(), kv.grad, rtol=1e-4, atol=1e-4)
@@ -239,11 +234,13 @@ def _attention_keys_sharded(world):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_conv_fast_path_under_autocast_refuses(world):
-    assert all(run_on_ranks(world, _autocast_fast_path_refuses, world))
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_attention(world, causal):
+    """q and k/v tokens sharded: the ring's double backward gathers K/V differentiably."""
+    run_on_ranks(world, _attention_penalty, world, [Shard(2)], [Shard(2)], causal)
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_attention(world):
-    run_on_ranks(world, _ring_attention_refuses, world)
-    run_on_ranks(world, _attention_keys_sharded, world)
+def test_attention_with_sharded_keys(world):
+    """Queries whole, keys and values sharded: per-rank blocks merged by differentiable sums."""
+    run_on_ranks(world, _attention_penalty, world, [Replicate()], [Shard(2)], False)
