@@ -36,6 +36,8 @@ TWICE_DIFFERENTIABLE = {
     "avg_pool": lambda x: F.avg_pool2d(torch.tanh(x), 2),
     "max_pool": lambda x: F.max_pool2d(x * x, 2),
     "interpolate": lambda x: F.interpolate(torch.tanh(x), scale_factor=2, mode="bilinear"),
+    "fft": lambda x: torch.fft.rfft2(torch.tanh(x)).abs(),
+    "softmax": lambda x: torch.softmax(x * x, dim=2),
 }
 # Explicit backwards that communicate and are not written differentiably: refused.
 ONCE_DIFFERENTIABLE = {
@@ -155,11 +157,14 @@ def _module_cases(world, names):
 
 
 def _mesh_2x2_cases():
+    """H x W over the two mesh axes; then batch x H (a data axis beside the domain axis) for the norms."""
     mesh = get_mesh((2, 2))
-    sizes = {0: [8, 5], 1: [2, 4]}
     for name, (factory, shape) in _field(13, 6).items():
-        if name.startswith(("conv2d", "conv_transpose", "group_norm")):
-            _compare_penalty(name, factory, shape, mesh, [Shard(2), Shard(3)], sizes)
+        if name.startswith(("conv2d", "conv_transpose")) or name.endswith(("norm", "norm_hw")):
+            _compare_penalty(name, factory, shape, mesh, [Shard(2), Shard(3)], {0: [8, 5], 1: [2, 4]})
+    for name, (factory, shape) in _field(13, 6).items():
+        if name.endswith(("norm", "norm_hw")):
+            _compare_penalty(name, factory, (3, *shape[1:]), mesh, [Shard(0), Shard(2)], {0: [2, 1], 1: [8, 5]})
     return True
 
 
