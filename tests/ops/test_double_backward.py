@@ -20,6 +20,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from physics_dp.shard_tensor import Replicate, Shard, ShardTensor, distribute_tensor
 from physics_dp.testing import get_mesh, run_on_ranks
 
+from .test_strided import LAYOUTS as STRIDED_LAYOUTS
+from .test_strided import SHAPE as STRIDED_SHAPE
+from .test_strided import _attention as strided_attention
+
 WEIGHT = torch.linspace(-1, 1, 4 * 3 * 9).reshape(4, 3, 3, 3)
 
 # Paths made of pointwise ops, reductions, views and conversions: differentiable twice.
@@ -243,6 +247,31 @@ def _attention_penalty(world, q_placements, kv_placements, causal):
 def test_ring_attention(world, causal):
     """q and k/v tokens sharded: the ring's double backward gathers K/V differentiably."""
     run_on_ranks(world, _attention_penalty, world, [Shard(2)], [Shard(2)], causal)
+
+
+class StridedTokenAttention(nn.Module):
+    """Self-attention over the tokens of an H x W field flattened on a 2x2 mesh (a strided token dim)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wq = nn.Parameter(torch.randn(12, 4) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return strided_attention(x, self.wq)
+
+
+def _strided_ring():
+    mesh_shape, placements, sizes = STRIDED_LAYOUTS["2x2"]
+    with sdpa_kernel(SDPBackend.MATH), pytest.raises(RuntimeError, match="view size is not compatible"):
+        _compare_penalty("strided ring", StridedTokenAttention, STRIDED_SHAPE, get_mesh(mesh_shape), placements, sizes)
+    return True
+
+
+def test_ring_attention_over_strided_tokens_raises():
+    """Not yet: the second backward reshapes a cotangent whose slab is not contiguous on a strided
+    token dim and ops/views.py views it.  It raises (never a wrong answer); when views.py copies
+    there, this test fails and should become an equality test."""
+    run_on_ranks(4, _strided_ring)
 
 
 @pytest.mark.parametrize("world", [2, 3])
