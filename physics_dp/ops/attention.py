@@ -114,13 +114,15 @@ _CUDA_FUSED_DTYPES = (torch.float32,)
 def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None) -> str | None:
     """Which of torch's fused kernels that report the log-sum-exp fits this block, if any: the CPU
     flash kernel, or on CUDA the memory-efficient kernel (unmasked blocks only, so its bias
-    alignment rules never matter). Neither materializes the score matrix."""
+    alignment rules never matter). Neither materializes the score matrix.  Under
+    ``sdpa_kernel(SDPBackend.MATH)`` (e.g. for a double backward, which the fused CPU kernel lacks)
+    the explicit path runs, as torch's own op would."""
     if not (q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[-2] > 0 and k.shape[-2] > 0):
         return None
     if not q.ndim == k.ndim == v.ndim == 4:  # the kernels take (batch, heads, tokens, head dim) only
         return None
-    if q.device.type == "cpu" and q.dtype in _FUSED_DTYPES:
-        return "cpu"
+    if q.device.type == "cpu" and q.dtype in _FUSED_DTYPES and torch.backends.cuda.flash_sdp_enabled():
+        return "cpu"  # unless the user turned the flash kernel off (sdpa_kernel), as torch's CPU dispatch does
     if q.device.type == "cuda" and q.dtype in _CUDA_FUSED_DTYPES and bias is None:
         return "cuda"
     return None

@@ -278,3 +278,10 @@ def test_ring_attention_over_strided_tokens_raises():
 def test_attention_with_sharded_keys(world):
     """Queries whole, keys and values sharded: per-rank blocks merged by differentiable sums."""
     run_on_ranks(world, _attention_penalty, world, [Replicate()], [Shard(2)], False)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_attention_with_whole_keys_under_the_math_kernel(world):
+    """Queries sharded, keys whole: local attention, twice differentiable once the user picks torch's
+    math kernel (as on one device: the fused CPU kernel has no double backward)."""
+    run_on_ranks(world, _attention_penalty, world, [Shard(2)], [Replicate()], True)
