@@ -161,7 +161,17 @@ def _view_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Shard
         stride = contiguous_strides(spec.shape)
     out_stride = torch.empty_strided(spec.shape, stride, device="meta").view(out_shape).stride()
     out_spec = ShardTensorSpec(spec.mesh, [p for p, _ in out], out_shape, [s for _, s in out], out_stride)
-    return ShardTensor(op(local, list(out_spec.local_shape())), out_spec)
+    local_shape = list(out_spec.local_shape())
+    try:
+        return ShardTensor(op(local, local_shape), out_spec)
+    except RuntimeError:
+        # The global layout allows the view but this slab's own strides do not: an op chose a
+        # different memory order for the slab than for the global shape (seen on gradients in a
+        # double backward over strided tokens).  Copy rather than fail; the result then does not
+        # alias the input, so an in-place write through it would not reach the input.
+        if local.is_contiguous() or not local.numel():
+            raise
+        return ShardTensor(local.reshape(local_shape), out_spec)
 
 
 for _op in (aten.view.default, aten._unsafe_view.default):
