@@ -47,6 +47,15 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+def _differentiable(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+def _dot(output: torch.Tensor, cotangent: torch.Tensor) -> torch.Tensor:
+    product = output * cotangent.conj()
+    return (product.real if product.is_complex() else product).sum()
+
+
 def _compare(name: str, actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float, report: MatchReport) -> None:
     actual = _full(actual).detach()
     expected = expected.detach()
@@ -54,6 +63,8 @@ def _compare(name: str, actual: torch.Tensor, expected: torch.Tensor, atol: floa
         raise AssertionError(f"{name}: shape {tuple(actual.shape)} != single-device {tuple(expected.shape)}")
     if actual.dtype != expected.dtype:
         raise AssertionError(f"{name}: dtype {actual.dtype} != single-device {expected.dtype}")
+    if actual.is_complex():  # real and imaginary parts each must match (.double() would drop the imaginary part)
+        actual, expected = torch.view_as_real(actual.resolve_conj()), torch.view_as_real(expected.resolve_conj())
     diff = (actual.double() - expected.double()).abs()
     worst = float(diff.max()) if diff.numel() else 0.0
     report.max_abs_diff[name] = worst
@@ -75,10 +86,12 @@ def assert_sharded_matches(
 ) -> MatchReport:
     """Run ``fn_or_module`` sharded and on one device; compare outputs, input and parameter grads.
 
-    ``inputs`` are global values, identical on every rank.  ``placements[i]`` shards tensor
-    input ``i`` (``None`` passes it as a plain tensor); ``sharding_sizes[i]`` optionally sets
-    its split per mesh axis (default: balanced).  Backward uses a random cotangent (``seed``),
-    fed to the sharded output in its own layout.
+    ``inputs`` are global values, identical on every rank, or ShardTensors the caller already
+    built (e.g. with ``scatter_tensor``), which run as they are while the single-device run gets
+    their ``full_tensor()``.  ``placements[i]`` shards global tensor input ``i`` (``None`` passes
+    it as it is); ``sharding_sizes[i]`` optionally sets its split per mesh axis (default:
+    balanced).  Backward uses a random cotangent (``seed``), fed to the sharded output in its own
+    layout.  Complex tensors are compared on their real and imaginary parts, and take gradients.
     """
     if len(placements) != len(inputs):
         raise ValueError(f"got {len(placements)} placements for {len(inputs)} inputs")
@@ -87,18 +100,20 @@ def assert_sharded_matches(
     reference_fn = copy.deepcopy(fn_or_module) if is_module else fn_or_module
 
     def leaf(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and check_grads and value.is_floating_point():
+        if isinstance(value, torch.Tensor) and check_grads and _differentiable(value):
             return value.detach().clone().requires_grad_(True)
         return value
 
-    ref_inputs = [leaf(v) for v in inputs]
+    ref_inputs = [leaf(_full(v)) for v in inputs]
     shard_inputs = []
     for value, placement, split in zip(inputs, placements, sizes):
+        if isinstance(value, ShardTensor) and placement is not None:
+            raise ValueError("an input that is already a ShardTensor takes placement None")
         if placement is None or not isinstance(value, torch.Tensor):
             shard_inputs.append(leaf(value))
             continue
         sharded = distribute_tensor(value.detach(), mesh, placement, split)
-        if check_grads and value.is_floating_point():
+        if check_grads and _differentiable(value):
             sharded.requires_grad_(True)
         shard_inputs.append(sharded)
 
@@ -118,15 +133,17 @@ def assert_sharded_matches(
     generator = torch.Generator().manual_seed(seed)
     ref_terms = []
     for actual, expected in zip(shard_list, ref_list):
-        if not expected.requires_grad or not expected.is_floating_point():
+        if not expected.requires_grad or not _differentiable(expected):
             continue
         cotangent = torch.randn(expected.shape, generator=generator, dtype=expected.dtype)
-        ref_terms.append((expected * cotangent).sum())
+        # Re<cotangent, output>: the real loss whose gradient w.r.t. the output is ``cotangent``
+        # (torch's convention for complex tensors; the plain dot product for real ones)
+        ref_terms.append(_dot(expected, cotangent))
         if isinstance(actual, ShardTensor) and not actual._spec.has_partial:
             shard_cotangent = distribute_tensor(cotangent, mesh, actual.placements, _split_of(actual))
             actual.backward(shard_cotangent, retain_graph=True)
         else:
-            (_full(actual) * cotangent).sum().backward(retain_graph=True)
+            _dot(_full(actual), cotangent).backward(retain_graph=True)
     if ref_terms:
         torch.stack(ref_terms).sum().backward()
 
