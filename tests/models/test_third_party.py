@@ -1,4 +1,4 @@
-"""Unmodified models from third-party libraries, domain-parallel on 3 ranks == one device.
+"""Unmodified models from third-party libraries, domain-parallel on 3 and 2 x 2 ranks == one device.
 
 Each model is built the library's usual way, seeded, synced over the mesh and fed a field that
 rank 0 scatters and that is then split unevenly along its height, as a physics_dp user would run
@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from physics_dp import Replicate, Shard, scatter_tensor
-from physics_dp.shard_tensor import Placement
 from physics_dp.nn import sync_module_over_mesh
+from physics_dp.shard_tensor import Placement
 from physics_dp.testing import assert_sharded_matches, get_mesh, run_on_ranks
 
 H, W = 2, 3  # tensor dims of (N, C, H, W) fields
