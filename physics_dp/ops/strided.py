@@ -13,7 +13,9 @@ in global order, so these handlers keep the layout and move nothing:
   all-reduced like any sharded reduction;
 - ``F.linear``/``matmul`` and ``F.layer_norm`` act on the trailing dims: the strided dims are
   viewed as their factors (plain shards), the usual handler runs, and the result is flattened
-  back; attention takes strided tokens in ``attention.py``.
+  back; attention takes strided tokens in ``attention.py``;
+- a one-tap ``F.conv1d`` over strided tokens (a channel MLP on flattened ``H*W``, as in
+  neuraloperator's FNO) runs as a 1 x 1 convolution over the factors.
 
 Every other op receives such inputs in a contiguous layout (``dispatch.py``).
 """
@@ -31,7 +33,10 @@ from ..distributed import collectives
 from ..shard_tensor import Replicate, Shard, ShardTensor, ShardTensorSpec
 from ..shard_tensor import dispatch
 from ..shard_tensor.placements import StridedShard
-from . import linear, normalization  # noqa: F401  (their function handlers are wrapped below)
+from ..shard_tensor.conversions import redistribute_to_spec
+from ..shard_tensor.redistribute import contiguous_layout
+from . import conv, linear, normalization  # noqa: F401  (their function handlers are wrapped below)
+from ._args import bind, per_dim
 from ._local import groups_spanning
 
 aten = torch.ops.aten
@@ -319,8 +324,44 @@ def _normalized_dims(args: tuple, kwargs: dict) -> int:
     return 1 if isinstance(shape, int) else len(shape)
 
 
+_CONV1D_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+_CONV1D_DEFAULTS = {"stride": 1, "padding": 0, "dilation": 1, "groups": 1}
+_CONV_OF_RANK = {2: F.conv2d, 3: F.conv3d}
+
+
+def _is_one_tap(bound: dict[str, Any]) -> bool:
+    """Kernel 1, stride 1, no padding: the output at each position depends on that position only."""
+    padding = bound["padding"]
+    no_padding = padding in ("valid", "same") or per_dim(padding, 1) == (0,)
+    return bound["weight"].shape[-1] == 1 and per_dim(bound["stride"], 1) == (1,) and no_padding
+
+
+def _one_tap_conv1d(original: dispatch.FunctionHandler) -> dispatch.FunctionHandler:
+    """A one-tap conv1d mixes channels position by position, so on tokens strided over their last
+    dim it runs as a 1 x 1 conv2d/conv3d over the factors (plain shards: no halo, nothing moves).
+    Any other conv1d of strided tokens needs them in order and gets a contiguous layout."""
+
+    def handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
+        bound = bind(_CONV1D_ARGS, args, kwargs, _CONV1D_DEFAULTS)
+        x = bound["input"]
+        if not isinstance(x, ShardTensor) or not x._spec.strided:
+            return original(func, types, args, kwargs)
+        strided = [p for p in x._spec.placements if type(p) is StridedShard]
+        factors = strided[0].factors
+        if {p.dim for p in strided} != {x.ndim - 1} or len(factors) not in _CONV_OF_RANK or not _is_one_tap(bound):
+            bound["input"] = redistribute_to_spec(x, contiguous_layout(x._spec))
+            return original(func, types, tuple(bound.values()), {})
+        weight = bound["weight"]
+        kernel = weight.view(*weight.shape, *[1] * (len(factors) - 1))
+        out = _CONV_OF_RANK[len(factors)](x.view(*x.shape[:-1], *factors), kernel, bound["bias"], groups=bound["groups"])
+        return out.flatten(-len(factors))
+
+    return handler
+
+
 def _register_function_wrappers() -> None:
     wrappers = {
+        F.conv1d: _one_tap_conv1d,
         F.linear: _through_factors(lambda args, kwargs: 1),
         torch.matmul: _through_factors(lambda args, kwargs: 1),
         torch.Tensor.matmul: _through_factors(lambda args, kwargs: 1),

@@ -18,9 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from physics_dp import Replicate, Shard, scatter_tensor
+from physics_dp import Shard, scatter_tensor
 from physics_dp.nn import sync_module_over_mesh
-from physics_dp.shard_tensor import Placement
 from physics_dp.testing import assert_sharded_matches, get_mesh, run_on_ranks
 
 H, W = 2, 3  # tensor dims of (N, C, H, W) fields
@@ -68,12 +67,11 @@ def _sharded_matches(
     extra: tuple,
     dtype: torch.dtype,
     atol: float,
-    output_placements: tuple[Placement, ...] | None,
 ) -> dict[str, float]:
     """On every rank: the user's recipe (seeded model synced over the mesh, input scattered from
     rank 0 and re-split as ``splits`` says: tensor dim -> sizes along one mesh axis), compared
-    with one device; returns the largest differences.  ``dtype`` is the input's; the output
-    must come out in ``output_placements`` (default: the input's)."""
+    with one device; returns the largest differences.  ``dtype`` is the input's; the output must
+    keep the input's placements."""
     mesh = get_mesh(tuple(len(sizes) for sizes in splits.values()))
     placements = [Shard(dim) for dim in splits]
     torch.manual_seed(0)
@@ -84,7 +82,7 @@ def _sharded_matches(
     coordinate = mesh.get_coordinate()
     assert [x.to_local().shape[dim] for dim in splits] == [sizes[c] for sizes, c in zip(splits.values(), coordinate)]
     report = assert_sharded_matches(model, [x, *extra], mesh, [None] * (1 + len(extra)), atol=atol, rtol=atol)
-    assert report.output_placements == [output_placements or tuple(placements)], report.output_placements
+    assert report.output_placements == [tuple(placements)], report.output_placements
     # Every parameter's gradient was compared, and none is identically zero (a real comparison).
     compared = {name.removesuffix(".grad") for name in report.max_abs_diff if name.endswith(".grad")}
     missing = {name for name, _ in model.named_parameters()} - compared
@@ -101,12 +99,11 @@ def _check(
     extra: tuple = (),
     dtype: torch.dtype = torch.float32,
     atol: float = 1e-4,
-    output_placements: tuple[Placement, ...] | None = None,
 ) -> None:
     for dim, sizes in splits.items():
         assert sum(sizes) == shape[dim] and len(set(sizes)) == len(sizes)  # uneven
     ranks = math.prod(len(sizes) for sizes in splits.values())
-    reports = run_on_ranks(ranks, _sharded_matches, build, shape, splits, extra, dtype, atol, output_placements, timeout=300.0)
+    reports = run_on_ranks(ranks, _sharded_matches, build, shape, splits, extra, dtype, atol, timeout=300.0)
     assert all(max(r.values()) <= atol for r in reports)
 
 
@@ -143,26 +140,19 @@ def test_monai_basic_unet_float64_odd_sizes():
     _check(partial(_in_float64, _monai_basic_unet), (2, 2, 44, 20), {H: [17, 15, 12]}, dtype=torch.float64, atol=1e-9)
 
 
-# neuralop's channel MLPs flatten (N, C, H, W) to (N, C, H*W), which gathers a W split: W-sharded
-# row-major tokens need a strided shard that ShardTensor does not represent (ops/views.py; the
-# DiT's strict xfail in test_dit.py records the same). Values stay exact. (diffusers' attention
-# flattens too, but its residual add takes the W split back.)
-_W_GATHERED = (Shard(H), Replicate())
-
-
 @pytest.mark.parametrize(
-    "library, build, shape, extra, output_placements",
+    "library, build, shape, extra",
     [
-        ("neuralop", partial(_fno, None), (2, 2, 16, 12), (), _W_GATHERED),
-        ("diffusers", _diffusers_unet, (2, 2, 16, 12), _TIMESTEPS, None),
-        ("monai", _monai_basic_unet, (1, 2, 48, 16), (), None),
+        ("neuralop", partial(_fno, None), (2, 2, 16, 12), ()),
+        ("diffusers", _diffusers_unet, (2, 2, 16, 12), _TIMESTEPS),
+        ("monai", _monai_basic_unet, (1, 2, 48, 16), ()),
     ],
     ids=["fno", "diffusers_unet2d", "monai_basic_unet"],
 )
-def test_on_height_by_width_mesh(library, build, shape, extra, output_placements):
+def test_on_height_by_width_mesh(library, build, shape, extra):
     """The same models with the height split over one mesh axis and the width over the other (2 x 2
-    ranks, both uneven)."""
+    ranks, both uneven); the output keeps both splits (the FNO's channel MLPs and diffusers'
+    attention flatten H*W into strided tokens and back)."""
     pytest.importorskip(library)
     height, width = shape[H], shape[W]
-    splits = {H: [height // 2 + 1, height // 2 - 1], W: [width // 2 + 1, width // 2 - 1]}
-    _check(build, shape, splits, extra, output_placements=output_placements)
+    _check(build, shape, {H: [height // 2 + 1, height // 2 - 1], W: [width // 2 + 1, width // 2 - 1]}, extra)

@@ -54,6 +54,13 @@ def _attention(x, wq):
     return _untokens(out.transpose(1, 2).reshape(n, length, c), c)
 
 
+def _channel_mlp(x, w1, b1, w2):
+    """neuraloperator's channel MLP: one-tap conv1d over the flattened H*W, stride and padding spelled out."""
+    t = x.flatten(2)  # (N, C, H*W)
+    h = F.conv1d(F.gelu(F.conv1d(t, w1, b1)), w2, None, 1, "valid")
+    return h.reshape(SHAPE[0], -1, SHAPE[2], SHAPE[3])
+
+
 def _structural(x):
     t = _tokens(x)
     stacked = torch.stack([t, 2 * t], dim=0).unsqueeze(1).squeeze(1)
@@ -69,12 +76,14 @@ def _reductions(x):
 def _unaware(x):
     """Ops that need tokens in global order take a contiguous layout (correct, at a gather's cost)."""
     t = _tokens(x)
-    return t.cumsum(dim=1) + F.scaled_dot_product_attention(t, t, t, is_causal=True)
+    wide = F.conv1d(x.flatten(2), x.new_ones(SHAPE[1], SHAPE[1], 3), padding=1)  # three taps: neighbours in global order
+    return t.cumsum(dim=1) + F.scaled_dot_product_attention(t, t, t, is_causal=True) + wide.transpose(1, 2)
 
 
 CASES = {
     "block": (_block, lambda g: [torch.randn(1, 35, 4, generator=g), torch.randn(8, 4, generator=g), torch.randn(4, 8, generator=g)]),
     "attention": (_attention, lambda g: [torch.randn(12, 4, generator=g)]),
+    "channel mlp": (_channel_mlp, lambda g: [torch.randn(6, 4, 1, generator=g), torch.randn(6, generator=g), torch.randn(3, 6, 1, generator=g)]),
     "structural": (_structural, lambda g: []),
     "reductions": (_reductions, lambda g: []),
 }

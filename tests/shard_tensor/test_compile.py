@@ -39,6 +39,17 @@ class _Lambda(nn.Module):
         return self.fn(x * self.scale)
 
 
+class _ChannelMLP(nn.Module):
+    """One-tap conv1d over flattened H*W (strided tokens on 2-D meshes), as in neuraloperator's FNO."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix_in, self.mix_out = nn.Conv1d(4, 6, 1), nn.Conv1d(6, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mix_out(F.gelu(self.mix_in(x.flatten(2)))).view(x.shape)
+
+
 def _conv_block() -> nn.Module:
     return nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.SiLU(), nn.Conv2d(8, 4, 3, padding=1))
 
@@ -69,6 +80,7 @@ BLOCKS: dict[str, Callable[[], nn.Module]] = {
     "reductions": lambda: _Lambda(lambda x: x - x.mean(dim=(2, 3), keepdim=True) + x.amax(dim=2, keepdim=True)),
     "views_and_linear": lambda: nn.Sequential(_Lambda(lambda x: x.permute(0, 2, 3, 1).flatten(1, 2)), nn.Linear(4, 6)),
     "attention": lambda: _Lambda(_attention),
+    "channel_mlp_on_tokens": lambda: _ChannelMLP(),
 }
 
 
