@@ -56,6 +56,12 @@ def _monai_basic_unet() -> torch.nn.Module:
     return BasicUNet(spatial_dims=2, in_channels=2, out_channels=2, features=(4, 4, 8, 8, 16, 4), upsample="deconv")
 
 
+def _monai_basic_unet_3d() -> torch.nn.Module:
+    from monai.networks.nets import BasicUNet
+
+    return BasicUNet(spatial_dims=3, in_channels=1, out_channels=1, features=(2, 2, 4, 4, 8, 2), upsample="deconv")
+
+
 def _in_float64(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
     return build().double()
 
@@ -138,6 +144,15 @@ def test_monai_basic_unet_float64_odd_sizes():
     run agrees to rounding, which shows the float32 differences above are rounding as well."""
     pytest.importorskip("monai")
     _check(partial(_in_float64, _monai_basic_unet), (2, 2, 44, 20), {H: [17, 15, 12]}, dtype=torch.float64, atol=1e-9)
+
+
+def test_monai_basic_unet_3d_float64():
+    """The 3-D BasicUNet (conv3d, max_pool3d, conv_transpose3d) on a volume split along its depth.
+    In float32 its weight gradients carry rounding of ~2e-4 like the 2-D one; float64 shows the
+    sharded run exact."""
+    pytest.importorskip("monai")
+    depth = 2  # dim 2 of (N, C, D, H, W)
+    _check(partial(_in_float64, _monai_basic_unet_3d), (1, 1, 32, 16, 16), {depth: [13, 11, 8]}, dtype=torch.float64, atol=1e-9)
 
 
 @pytest.mark.parametrize(
