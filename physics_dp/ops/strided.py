@@ -8,7 +8,8 @@ in global order, so these handlers keep the layout and move nothing:
 
 - structural ops (permute, transpose, unsqueeze, squeeze, select, unbind, stack, copies and
   ``*_like`` factories) carry each placement to the dim it moves to;
-- pointwise ops cut replicated operands (a positional embedding) to the rank's block;
+- pointwise ops cut replicated operands (a positional embedding) to the rank's block
+  (``pointwise.py``, for every layout);
 - sums and means over dims that are not strided stay local; over strided dims they are
   all-reduced like any sharded reduction;
 - ``F.linear``/``matmul`` and ``F.layer_norm`` act on the trailing dims: the strided dims are
@@ -23,7 +24,7 @@ Every other op receives such inputs in a contiguous layout (``dispatch.py``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from ..distributed import collectives
 from ..shard_tensor import Replicate, Shard, ShardTensor, ShardTensorSpec
 from ..shard_tensor import dispatch
+from ..shard_tensor.fallback import propagate_and_run
 from ..shard_tensor.placements import StridedShard
 from ..shard_tensor.conversions import redistribute_to_spec
 from ..shard_tensor.redistribute import contiguous_layout
@@ -41,7 +43,7 @@ from ._local import groups_spanning
 
 aten = torch.ops.aten
 
-__all__ = ["block_of_replicated", "expanded_shape"]
+__all__ = ["expanded_shape"]
 
 _SHARDING = (Shard, StridedShard)
 
@@ -138,121 +140,6 @@ def _same_layout(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     meta_kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "pin_memory")}
     meta_out = op(_meta(spec, tensor.dtype), *args[1:], **meta_kwargs)
     return ShardTensor(local_out, ShardTensorSpec(spec.mesh, spec.placements, spec.shape, spec.axis_sizes, meta_out.stride()))
-
-
-# ----- pointwise with replicated operands --------------------------------------------------------
-def _narrowed_factors(value: torch.Tensor, dim: int, factors: Sequence[int], starts: Sequence[int], extents: Sequence[int]) -> torch.Tensor:
-    shape = list(value.shape)
-    value = value.reshape(shape[:dim] + list(factors) + shape[dim + 1 :])
-    for k, (start, extent) in enumerate(zip(starts, extents)):
-        if extent != factors[k]:
-            value = value.narrow(dim + k, start, extent)
-    return value.reshape(shape[:dim] + [math.prod(extents)] + shape[dim + 1 :])
-
-
-def block_of_replicated(value: torch.Tensor, spec: ShardTensorSpec, axes: Sequence[int] | None = None) -> torch.Tensor:
-    """This rank's block of a tensor broadcast against ``spec`` (dims aligned from the right),
-    cut along the mesh ``axes`` that replicate it (default: every axis)."""
-    coordinate = spec.coordinate()
-    lead = spec.ndim - value.ndim
-    axes = range(spec.mesh.ndim) if axes is None else axes
-    strided: dict[int, list[int]] = {}
-    for axis in axes:
-        placement = spec.placements[axis]
-        if type(placement) is Shard and placement.dim >= lead and value.shape[placement.dim - lead] > 1:
-            sizes = spec.axis_sizes[axis]
-            start = sum(sizes[: coordinate[axis]])  # type: ignore[index]
-            value = value.narrow(placement.dim - lead, start, sizes[coordinate[axis]])  # type: ignore[index]
-        elif type(placement) is StridedShard and placement.dim >= lead and value.shape[placement.dim - lead] > 1:
-            strided.setdefault(placement.dim, []).append(axis)
-    for dim, dim_axes in strided.items():
-        factors = list(next(p.factors for p in spec.placements if type(p) is StridedShard and p.dim == dim))
-        starts, extents = [0] * len(factors), list(factors)
-        for axis in dim_axes:
-            k, sizes = spec.placements[axis].factor, spec.axis_sizes[axis]  # type: ignore[union-attr]
-            starts[k], extents[k] = sum(sizes[: coordinate[axis]]), sizes[coordinate[axis]]  # type: ignore[index]
-        value = _narrowed_factors(value, dim - lead, factors, starts, extents)
-    return value
-
-
-def _axes_to_cut(operand: ShardTensorSpec, spec: ShardTensorSpec) -> list[int] | None:
-    """Mesh axes along which an operand must be cut to ``spec``'s block: those that replicate it.
-    None if some axis splits it otherwise than ``spec`` (or leaves a reduction pending)."""
-    lead = spec.ndim - operand.ndim
-    cut = []
-    for axis, (mine, theirs) in enumerate(zip(operand.placements, spec.placements)):
-        if type(mine) is Replicate:
-            cut.append(axis)
-            continue
-        if type(mine) is Shard and theirs == Shard(mine.dim + lead):
-            same = True
-        elif type(mine) is StridedShard and theirs == StridedShard(mine.dim + lead, mine.factors, mine.factor):
-            same = True
-        else:
-            same = False
-        if not same or operand.axis_sizes[axis] != spec.axis_sizes[axis]:
-            return None
-    return cut
-
-
-def _splits_alike(a: ShardTensorSpec, b: ShardTensorSpec) -> bool:
-    """Same global shape and split (memory layouts may differ: the op's result picks its own)."""
-    return a.shape == b.shape and a.placements == b.placements and a.axis_sizes == b.axis_sizes and a.mesh == b.mesh
-
-
-def _pointwise(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
-    spec = next(a._spec for a in args if isinstance(a, ShardTensor) and a._spec.strided)
-    shapes = [a.shape for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-    if spec.has_partial or torch.broadcast_shapes(*shapes) != spec.shape:
-        return NotImplemented
-
-    def local(value: Any) -> Any:
-        if isinstance(value, ShardTensor):
-            if _splits_alike(value._spec, spec):
-                return value._local_tensor
-            axes = _axes_to_cut(value._spec, spec)
-            if axes is None:
-                raise _Unsupported
-            return block_of_replicated(value._local_tensor, spec, axes)
-        if isinstance(value, torch.Tensor) and value.ndim:
-            return block_of_replicated(value, spec)
-        return value
-
-    def meta(value: Any) -> Any:
-        if isinstance(value, ShardTensor):
-            value = torch.empty_strided(value.shape, value._spec.stride, dtype=value.dtype, device="meta")
-        elif isinstance(value, torch.Tensor):
-            value = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
-        return value
-
-    if _writes_first(op) and not (isinstance(args[0], ShardTensor) and _splits_alike(args[0]._spec, spec)):
-        return NotImplemented
-    try:
-        local_args = [local(a) for a in args]
-        local_kwargs = {k: local(v) for k, v in kwargs.items()}
-    except _Unsupported:
-        return NotImplemented
-    result = op(*local_args, **local_kwargs)
-    if _writes_first(op):
-        return args[0]
-    # the global stride the result's layout implies, as torch picks it from the operands' layouts
-    meta_result = op(*[meta(a) for a in args], **{k: meta(v) for k, v in kwargs.items()})
-    results = result if isinstance(result, tuple) else (result,)
-    metas = meta_result if isinstance(meta_result, tuple) else (meta_result,)
-    wrapped = tuple(
-        ShardTensor(r, ShardTensorSpec(spec.mesh, spec.placements, spec.shape, spec.axis_sizes, m.stride()))
-        for r, m in zip(results, metas)
-    )
-    return wrapped if isinstance(result, tuple) else wrapped[0]
-
-
-class _Unsupported(Exception):
-    """An operand with a layout the strided pointwise path does not cut (it takes the general path)."""
-
-
-def _writes_first(op: torch._ops.OpOverload) -> bool:
-    arguments = op._schema.arguments
-    return bool(arguments) and arguments[0].alias_info is not None and arguments[0].alias_info.is_write
 
 
 # ----- reductions ---------------------------------------------------------------------------------
@@ -396,10 +283,20 @@ _SAME_LAYOUT = (
 )
 for _op in _STRUCTURAL:
     ShardTensor.register_strided_handler(_op, _structural)
+
+
+def _structural_or_fallback(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """Transposes of any layout: placements follow their dims, instead of DTensor's propagation
+    (several hundred microseconds per call; attention blocks transpose on every use)."""
+    result = _structural(op, args, kwargs)
+    return propagate_and_run(op, args, kwargs) if result is NotImplemented else result
+
+
+for _op in (aten.permute.default, aten.transpose.int):
+    ShardTensor.register_dispatch_handler(_op, _structural_or_fallback)
 for _op in _SAME_LAYOUT:
     ShardTensor.register_strided_handler(_op, _same_layout)
 ShardTensor.register_strided_handler(aten.stack.default, _stack)
 for _op in (aten.sum.default, aten.sum.dim_IntList, aten.mean.dim):
     ShardTensor.register_strided_handler(_op, _reduction)
-dispatch.set_strided_pointwise_handler(_pointwise)
 _register_function_wrappers()

@@ -81,13 +81,14 @@ def register_strided_handler(op: torch._ops.OpOverload, handler: DispatchHandler
     _strided_handlers[op] = handler
 
 
-_strided_pointwise: DispatchHandler | None = None
+_pointwise_handler: DispatchHandler | None = None
 
 
-def set_strided_pointwise_handler(handler: DispatchHandler) -> None:
-    """The handler for pointwise aten ops whose strided inputs do not all share one spec."""
-    global _strided_pointwise
-    _strided_pointwise = handler
+def set_pointwise_handler(handler: DispatchHandler) -> None:
+    """The handler for pointwise aten ops whose ShardTensor inputs do not all share one spec
+    (``ops/pointwise.py``); it returns ``NotImplemented`` for layouts it leaves to the fallback."""
+    global _pointwise_handler
+    _pointwise_handler = handler
 
 
 def _has_strided(args: tuple, kwargs: dict) -> bool:
@@ -399,7 +400,7 @@ def torch_dispatch(cls: type, op: torch._ops.OpOverload, types: tuple, args: tup
         if result is not NotImplemented:
             return result
     if _has_strided(args, kwargs):
-        strided_handler = _strided_handlers.get(op) or (_strided_pointwise if kind != _NOT_POINTWISE else None)
+        strided_handler = _strided_handlers.get(op) or (_pointwise_handler if kind != _NOT_POINTWISE else None)
         result = NotImplemented if strided_handler is None else strided_handler(op, args, kwargs)
         if result is not NotImplemented:
             return result
@@ -409,4 +410,8 @@ def torch_dispatch(cls: type, op: torch._ops.OpOverload, types: tuple, args: tup
         return run_aten_on_slabs(op, args, kwargs, like)
     if handler is not None:
         return handler(op, args, kwargs)
+    if kind != _NOT_POINTWISE and _pointwise_handler is not None:
+        result = _pointwise_handler(op, args, kwargs)
+        if result is not NotImplemented:
+            return result
     return _fallback(op, args, kwargs)
