@@ -1,0 +1,101 @@
+"""What one small synchronizing collective costs between ranks on this machine.
+
+Why: a sharded normalization exchanges a few hundred bytes of statistics twice per step (forward
+and backward), so its floor is not the slab's kernel time but the kernel plus two collective
+latencies.  This prints, for an all-reduce of ``--numel`` float64 values on 2 ranks x 1 thread:
+the median and 90th-percentile latency back to back, and right after each rank did the same
+pointwise pass over a ``--work`` MiB tensor (as a normalization's collective follows its moments
+kernel).  Compare them with an op's slab time to see what share of it a collective takes.
+
+    python benchmarks/collective_latency.py                 # 2 ranks, 64 values, 32 MiB of work
+    python benchmarks/collective_latency.py --calls 100 --work 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["measure", "main"]
+
+
+def _percentile(samples: Sequence[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def measure(group: Any, numel: int, calls: int, work_mib: float) -> dict[str, float]:
+    """This rank's latencies in microseconds: back to back, and after an equal pointwise pass."""
+    payload = torch.zeros(numel, dtype=torch.float64)
+    work = torch.randn(max(1, int(work_mib * 2**20 / 4)))
+    for _ in range(5):
+        dist.all_reduce(payload, group=group)
+    idle, after_work = [], []
+    for _ in range(calls):
+        start = time.perf_counter()
+        dist.all_reduce(payload, group=group)
+        idle.append(time.perf_counter() - start)
+    for _ in range(calls):
+        work.mul_(1.0000001).add_(1e-7)
+        start = time.perf_counter()
+        dist.all_reduce(payload, group=group)
+        after_work.append(time.perf_counter() - start)
+    return {
+        "idle_median_us": statistics.median(idle) * 1e6,
+        "idle_p90_us": _percentile(idle, 0.9) * 1e6,
+        "after_work_median_us": statistics.median(after_work) * 1e6,
+        "after_work_p90_us": _percentile(after_work, 0.9) * 1e6,
+    }
+
+
+def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        result = measure(dist.group.WORLD, args.numel, args.calls, args.work)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, result)
+        if rank == 0:
+            out.put(gathered)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: Sequence[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--numel", type=int, default=64, help="float64 values all-reduced (default 64)")
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--work", type=float, default=32.0, help="MiB each rank passes over before each call")
+    args = parser.parse_args(argv)
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    mp.start_processes(_rank, args=(args.ranks, port, args, queue), nprocs=args.ranks, start_method="spawn")
+    rows = queue.get()
+    lines = [f"all_reduce of {args.numel} float64 values, {args.ranks} ranks x 1 thread (gloo), {args.calls} calls",
+             "", "| rank | back to back: median / p90 us | after a pointwise pass over "
+             f"{args.work:g} MiB: median / p90 us |", "| --- | --- | --- |"]
+    for rank, row in enumerate(rows):
+        lines.append(f"| {rank} | {row['idle_median_us']:.0f} / {row['idle_p90_us']:.0f} "
+                     f"| {row['after_work_median_us']:.0f} / {row['after_work_p90_us']:.0f} |")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,20 @@
+"""Smoke test of ``benchmarks/collective_latency.py``: every latency is measured on real ranks.
+
+Never how long they took: only that each figure the script prints exists and is positive.
+"""
+
+from __future__ import annotations
+
+from physics_dp.testing import get_mesh, run_on_ranks
+from tests.benchmarks._scripts import load_benchmark
+
+
+def _tiny() -> dict[str, float]:
+    mesh = get_mesh((2,))
+    return load_benchmark("collective_latency").measure(mesh.get_group(0), numel=8, calls=3, work_mib=0.01)
+
+
+def test_every_latency_is_measured():
+    for result in run_on_ranks(2, _tiny):
+        assert set(result) == {"idle_median_us", "idle_p90_us", "after_work_median_us", "after_work_p90_us"}
+        assert all(value > 0 for value in result.values())
