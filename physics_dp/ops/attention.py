@@ -30,10 +30,9 @@ from ..distributed import collectives
 from ..distributed.axis_groups import group_over_axes
 from ..distributed.tracing import outside_trace
 from ..shard_tensor import Replicate, Shard, ShardTensor
-from ..shard_tensor.conversions import redistribute_to_spec
+from ..shard_tensor.conversions import without_strided_dims
 from ..shard_tensor.dispatch import run_default
 from ..shard_tensor.placements import StridedShard
-from ..shard_tensor.redistribute import contiguous_layout
 from ._local import ShardedOpError, local_input, sum_grad_over_axes, wrap_local
 from .grad_sums import creating_graph, sum_replicated
 from .halo import gather_window
@@ -253,10 +252,6 @@ class _RingAttention(torch.autograd.Function):
         return grad_q, grad_k.contiguous(), grad_v.contiguous(), None
 
 
-def contiguous(t: ShardTensor) -> ShardTensor:
-    return redistribute_to_spec(t, contiguous_layout(t._spec)) if t._spec.strided else t
-
-
 def _differentiable_ring_backward(ctx, grad_out: torch.Tensor) -> list[torch.Tensor | None]:
     """Ring attention's gradients as differentiable functions of q, k, v and ``grad_out`` (double backward).
 
@@ -386,7 +381,7 @@ def _sdpa_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
         if ring:
             return _strided_ring(q, k, v, bound.get("scale"), bound.get("enable_gqa", False))
         # masks and causality need tokens in global order: a contiguous layout
-        q, k, v = (contiguous(t) if isinstance(t, ShardTensor) else t for t in (q, k, v))
+        q, k, v = (without_strided_dims(t) if isinstance(t, ShardTensor) else t for t in (q, k, v))
         bound.update(query=q, key=k, value=v)
         args, kwargs = (), bound
     mask, dropout_p = bound.get("attn_mask"), bound.get("dropout_p", 0.0)

@@ -35,8 +35,7 @@ from ..shard_tensor import Replicate, Shard, ShardTensor, ShardTensorSpec
 from ..shard_tensor import dispatch
 from ..shard_tensor.fallback import propagate_and_run
 from ..shard_tensor.placements import StridedShard
-from ..shard_tensor.conversions import redistribute_to_spec
-from ..shard_tensor.redistribute import contiguous_layout
+from ..shard_tensor.conversions import without_strided_dims
 from . import conv, linear, normalization  # noqa: F401  (their function handlers are wrapped below)
 from ._args import bind, per_dim
 from ._local import groups_spanning
@@ -67,10 +66,6 @@ def _meta(spec: ShardTensorSpec, dtype: torch.dtype) -> torch.Tensor:
 
 def _dim_arg(args: tuple, kwargs: dict, position: int, name: str, default: Any = 0) -> Any:
     return args[position] if len(args) > position else kwargs.get(name, default)
-
-
-def _sharded_dims(spec: ShardTensorSpec) -> set[int]:
-    return {p.dim for p in spec.placements if type(p) in _SHARDING}
 
 
 def _dim_map(op: torch._ops.OpOverload, args: tuple, kwargs: dict, ndim: int) -> Callable[[int], int | None] | None:
@@ -236,7 +231,7 @@ def _one_tap_conv1d(original: dispatch.FunctionHandler) -> dispatch.FunctionHand
         strided = [p for p in x._spec.placements if type(p) is StridedShard]
         factors = strided[0].factors
         if {p.dim for p in strided} != {x.ndim - 1} or len(factors) not in _CONV_OF_RANK or not _is_one_tap(bound):
-            bound["input"] = redistribute_to_spec(x, contiguous_layout(x._spec))
+            bound["input"] = without_strided_dims(x)
             return original(func, types, tuple(bound.values()), {})
         weight = bound["weight"]
         kernel = weight.view(*weight.shape, *[1] * (len(factors) - 1))

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from ..distributed import collectives
 from ..distributed.tracing import is_tracing
 from .placements import Partial, Placement, Replicate, Shard, StridedShard, normalize_placements
-from .redistribute import grad_target_spec, redistribute_local
+from .redistribute import contiguous_layout, grad_target_spec, redistribute_local
 from .shard_tensor import ShardTensor
 from .spec import ShardTensorSpec, chunk_sizes
 
@@ -238,6 +238,11 @@ def redistribute_to_spec(tensor: ShardTensor, dst: ShardTensorSpec) -> ShardTens
     if _needs_autograd(tensor):
         return _Redistribute.apply(tensor, dst)
     return ShardTensor(redistribute_local(tensor._local_tensor, tensor._spec, dst), dst)
+
+
+def without_strided_dims(tensor: ShardTensor) -> ShardTensor:
+    """``tensor`` in the nearest layout without strided dims (differentiable; itself if it has none)."""
+    return redistribute_to_spec(tensor, contiguous_layout(tensor._spec)) if tensor._spec.strided else tensor
 
 
 def redistribute(

@@ -121,13 +121,6 @@ def _contiguous_below_autograd(tensor: Any) -> Any:
     return _ShardTensor(redistribute_local(tensor._local_tensor, tensor._spec, target), target)
 
 
-def _contiguous_with_autograd(tensor: Any) -> Any:
-    from .conversions import redistribute_to_spec
-    from .redistribute import contiguous_layout
-
-    return redistribute_to_spec(tensor, contiguous_layout(tensor._spec))
-
-
 # ----- pointwise torch functions (the fast path before the dispatcher) ----------------------
 _UNARY = (
     "abs neg exp exp2 expm1 log log1p log2 log10 sqrt rsqrt sin cos tan asin acos atan sinh cosh tanh "
@@ -280,7 +273,9 @@ def _eager_torch_function(func: Any, types: tuple, args: tuple, kwargs: dict) ->
     handler = _function_handlers.get(func)
     if handler is not None:
         if func not in _strided_functions and _has_strided(args, kwargs):
-            args, kwargs = _map_strided(args, kwargs, _contiguous_with_autograd)
+            from .conversions import without_strided_dims
+
+            args, kwargs = _map_strided(args, kwargs, without_strided_dims)
         like = local_only_spec(args, kwargs)
         if like is None:
             return handler(func, types, args, kwargs)
