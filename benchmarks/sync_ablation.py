@@ -72,7 +72,9 @@ def ablated(name: str) -> Iterator[None]:
 
 def time_steps(mesh: Any, grid: Sequence[int], steps: int, ablation: str) -> tuple[float, int]:
     """(median step seconds, collectives per step) of this rank under ``ablation``, barrier-timed, on a 1-D ``mesh``."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:  # model_memory is a sibling script, not a package module
+        sys.path.insert(0, here)
     from model_memory import build_model
 
     from physics_dp.distributed.collectives import count_communication

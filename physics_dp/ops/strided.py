@@ -34,7 +34,7 @@ from ..distributed import collectives
 from ..shard_tensor import Replicate, Shard, ShardTensor, ShardTensorSpec
 from ..shard_tensor import dispatch
 from ..shard_tensor.fallback import propagate_and_run
-from ..shard_tensor.placements import StridedShard
+from ..shard_tensor.placements import SHARDING_PLACEMENTS, StridedShard
 from ..shard_tensor.conversions import without_strided_dims
 from . import conv, linear, normalization  # noqa: F401  (their function handlers are wrapped below)
 from ._args import bind, per_dim
@@ -44,14 +44,12 @@ aten = torch.ops.aten
 
 __all__ = ["expanded_shape"]
 
-_SHARDING = (Shard, StridedShard)
-
 
 # ----- structural ops: placements follow their dims ---------------------------------------------
 def _moved_spec(spec: ShardTensorSpec, new_dim: Callable[[int], int | None], meta_out: torch.Tensor) -> ShardTensorSpec | None:
     placements = []
     for placement in spec.placements:
-        if type(placement) in _SHARDING:
+        if type(placement) in SHARDING_PLACEMENTS:
             dim = new_dim(placement.dim)
             if dim is None:
                 return None
@@ -150,7 +148,7 @@ def _reduction(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         dims = tuple(range(spec.ndim)) if not given else tuple(sorted({d % spec.ndim for d in given}))
         keepdim = _dim_arg(args, kwargs, 2, "keepdim", False)
         dtype = _dim_arg(args, kwargs, 3, "dtype", None)
-    reduced_axes = [a for a, p in enumerate(spec.placements) if type(p) in _SHARDING and p.dim in dims]
+    reduced_axes = [a for a, p in enumerate(spec.placements) if type(p) in SHARDING_PLACEMENTS and p.dim in dims]
     local = aten.sum.dim_IntList(tensor._local_tensor, list(dims), True, dtype=dtype)
     if op is aten.mean.dim:
         local = local / math.prod(spec.shape[d] for d in dims)
@@ -160,7 +158,7 @@ def _reduction(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         local = local.squeeze(dims) if dims else local
     placements, sizes = [], []
     for axis, placement in enumerate(spec.placements):
-        if axis in reduced_axes or type(placement) not in _SHARDING:
+        if axis in reduced_axes or type(placement) not in SHARDING_PLACEMENTS:
             placements.append(Replicate())
             sizes.append(None)
             continue

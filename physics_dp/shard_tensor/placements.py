@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["Placement", "Shard", "Replicate", "Partial", "StridedShard", "normalize_placements", "partial_op"]
+__all__ = ["Placement", "Shard", "Replicate", "Partial", "StridedShard", "normalize_placements", "partial_op", "SHARDING_PLACEMENTS"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,10 @@ class StridedShard:
 
     def __repr__(self) -> str:
         return f"StridedShard(dim={self.dim}, factors={self.factors}, factor={self.factor})"
+
+
+# the placement types that split a tensor dim over a mesh axis (``type(p) in SHARDING_PLACEMENTS``)
+SHARDING_PLACEMENTS = (Shard, StridedShard)
 
 _PARTIAL_OPS = ("sum", "avg", "max", "min")
 
