@@ -125,6 +125,14 @@ class ShardTensorSpec:
             )
         return chosen
 
+    def __reduce__(self) -> tuple:
+        """Pickle the defining fields only; unpickling runs ``__init__``, which derives the rest.
+
+        torch.compile's on-disk caches pickle specs: a spec pickled by an older physics_dp must not
+        come back without the fields a newer one derives.
+        """
+        return (ShardTensorSpec, (self.mesh, self.placements, self.shape, self.axis_sizes, self.stride))
+
     # ----- queries -----------------------------------------------------------------------
     @property
     def ndim(self) -> int:
