@@ -2,10 +2,12 @@
 
 Why: a sharded normalization exchanges a few hundred bytes of statistics twice per step (forward
 and backward), so its floor is not the slab's kernel time but the kernel plus two collective
-latencies.  This prints, for an all-reduce of ``--numel`` float64 values on 2 ranks x 1 thread:
-the median and 90th-percentile latency back to back, and right after each rank did the same
-pointwise pass over a ``--work`` MiB tensor (as a normalization's collective follows its moments
-kernel).  Compare them with an op's slab time to see what share of it a collective takes.
+latencies.  This prints, for an all-reduce of ``--numel`` float64 values on 2 ranks x 1 thread,
+over gloo's sockets and over the shared-memory host channel that physics_dp's small collectives
+use (:mod:`physics_dp.distributed.host_channel`): the median and 90th-percentile latency back to
+back, and right after each rank did the same pointwise pass over a ``--work`` MiB tensor (as a
+normalization's collective follows its moments kernel).  Compare them with an op's slab time to
+see what share of it a collective takes.
 
     python benchmarks/collective_latency.py                 # 2 ranks, 64 values, 32 MiB of work
     python benchmarks/collective_latency.py --calls 100 --work 8
@@ -23,7 +25,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["measure", "main"]
+from physics_dp.distributed import collectives
+
+__all__ = ["TRANSPORTS", "measure", "main"]
+
+TRANSPORTS = ("gloo", "host channel")
 
 
 def _percentile(samples: Sequence[float], q: float) -> float:
@@ -31,21 +37,29 @@ def _percentile(samples: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def measure(group: Any, numel: int, calls: int, work_mib: float) -> dict[str, float]:
+def measure(group: Any, numel: int, calls: int, work_mib: float, transport: str = "gloo") -> dict[str, float]:
     """This rank's latencies in microseconds: back to back, and after an equal pointwise pass."""
     payload = torch.zeros(numel, dtype=torch.float64)
     work = torch.randn(max(1, int(work_mib * 2**20 / 4)))
+    if transport == "gloo":
+        def reduce() -> None:
+            dist.all_reduce(payload, group=group)
+    elif transport == "host channel":
+        def reduce() -> None:
+            collectives.all_reduce(payload, "sum", group)
+    else:
+        raise ValueError(f"unknown transport {transport!r}; expected one of {TRANSPORTS}")
     for _ in range(5):
-        dist.all_reduce(payload, group=group)
+        reduce()
     idle, after_work = [], []
     for _ in range(calls):
         start = time.perf_counter()
-        dist.all_reduce(payload, group=group)
+        reduce()
         idle.append(time.perf_counter() - start)
     for _ in range(calls):
         work.mul_(1.0000001).add_(1e-7)
         start = time.perf_counter()
-        dist.all_reduce(payload, group=group)
+        reduce()
         after_work.append(time.perf_counter() - start)
     return {
         "idle_median_us": statistics.median(idle) * 1e6,
@@ -59,7 +73,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        result = measure(dist.group.WORLD, args.numel, args.calls, args.work)
+        result = {t: measure(dist.group.WORLD, args.numel, args.calls, args.work, t) for t in TRANSPORTS}
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, result)
         if rank == 0:
@@ -86,12 +100,14 @@ def main(argv: Sequence[str] | None = None) -> str:
     queue = context.SimpleQueue()
     mp.start_processes(_rank, args=(args.ranks, port, args, queue), nprocs=args.ranks, start_method="spawn")
     rows = queue.get()
-    lines = [f"all_reduce of {args.numel} float64 values, {args.ranks} ranks x 1 thread (gloo), {args.calls} calls",
-             "", "| rank | back to back: median / p90 us | after a pointwise pass over "
-             f"{args.work:g} MiB: median / p90 us |", "| --- | --- | --- |"]
-    for rank, row in enumerate(rows):
-        lines.append(f"| {rank} | {row['idle_median_us']:.0f} / {row['idle_p90_us']:.0f} "
-                     f"| {row['after_work_median_us']:.0f} / {row['after_work_p90_us']:.0f} |")
+    lines = [f"all_reduce of {args.numel} float64 values, {args.ranks} ranks x 1 thread, {args.calls} calls",
+             "", "| transport | rank | back to back: median / p90 us | after a pointwise pass over "
+             f"{args.work:g} MiB: median / p90 us |", "| --- | --- | --- | --- |"]
+    for transport in TRANSPORTS:
+        for rank, by_transport in enumerate(rows):
+            row = by_transport[transport]
+            lines.append(f"| {transport} | {rank} | {row['idle_median_us']:.0f} / {row['idle_p90_us']:.0f} "
+                         f"| {row['after_work_median_us']:.0f} / {row['after_work_p90_us']:.0f} |")
     text = "\n".join(lines)
     print(text, flush=True)
     return text

@@ -9,6 +9,7 @@ it in :func:`count_communication`.  Variable-size collectives are built on
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed import ProcessGroup
 
+from .host_channel import HostChannel, channel_for, opened_channel
 from .tracing import is_tracing
 
 __all__ = [
@@ -125,6 +127,12 @@ def all_gather_along_dim(
         return local
     moved = local.movedim(dim, 0).contiguous()
     tail = tuple(moved.shape[1:])
+    row = math.prod(tail)
+    channel = channel_for(group, moved, max(sizes) * row * moved.element_size())
+    if channel is not None:
+        _record("all_to_all", _nbytes(moved) * (world - 1))
+        gathered = channel.all_gather(moved.reshape(-1), [n * row for n in sizes]).view(sum(sizes), *tail)
+        return gathered.movedim(0, dim).contiguous()
     pieces = all_to_all_chunks([moved] * world, [(n, *tail) for n in sizes], group)
     return torch.cat(pieces, dim=0).movedim(0, dim).contiguous()
 
@@ -145,11 +153,15 @@ def all_reduce(tensor: torch.Tensor, reduce_op: str, group: ProcessGroup) -> tor
     if is_tracing() and world > 1:
         out = funcol.all_reduce(tensor.contiguous(), "sum" if reduce_op == "avg" else reduce_op, group)
         return out / world if reduce_op == "avg" else out
-    out = tensor.contiguous().clone()
     if world == 1:
-        return out
-    _record("all_reduce", _nbytes(out))
-    dist.all_reduce(out, op=_REDUCE_OPS[reduce_op], group=group)
+        return tensor.contiguous().clone()
+    _record("all_reduce", _nbytes(tensor))
+    channel = channel_for(group, tensor, _nbytes(tensor))
+    if channel is not None:
+        out = channel.all_reduce(tensor, "sum" if reduce_op == "avg" else reduce_op)
+    else:
+        out = tensor.contiguous().clone()
+        dist.all_reduce(out, op=_REDUCE_OPS[reduce_op], group=group)
     if reduce_op == "avg":
         out = out / world
     return out
@@ -167,8 +179,11 @@ def gather_sizes(values: Sequence[int], group: ProcessGroup) -> list[list[int]]:
             "state them (ShardTensor.from_local(..., sharding_shapes=...)) or build the ShardTensor outside "
             "the compiled function"
         )
-    out = torch.empty(world * len(values), dtype=torch.int64)
     _record("all_gather_sizes", _nbytes(mine) * (world - 1))
+    channel = channel_for(group, mine, _nbytes(mine))
+    if channel is not None:
+        return channel.all_gather(mine, [len(values)] * world).view(world, len(values)).tolist()
+    out = torch.empty(world * len(values), dtype=torch.int64)
     dist.all_gather_single(out, mine, group=group)
     return out.view(world, len(values)).tolist()
 
@@ -188,14 +203,25 @@ def broadcast(tensor: torch.Tensor, src_group_rank: int, group: ProcessGroup) ->
 class PendingExchange:
     """Point-to-point messages in flight; ``wait()`` returns what was received, keyed by peer."""
 
-    def __init__(self, requests: list, received: dict[int, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        requests: list,
+        received: dict[int, torch.Tensor],
+        channel: HostChannel | None = None,
+        channel_receives: list[tuple[int, int, tuple[int, ...], torch.dtype]] | None = None,
+    ) -> None:
         self._requests = requests
         self._received = received
+        self._channel = channel
+        self._channel_receives = channel_receives or []
 
     def wait(self) -> dict[int, torch.Tensor]:
         for request in self._requests:
             request.wait()
         self._requests = []
+        for peer, number, shape, dtype in self._channel_receives:
+            self._received[peer] = self._channel.receive(peer, number, shape, dtype)
+        self._channel_receives = []
         return self._received
 
 
@@ -211,24 +237,39 @@ def start_exchange(
     """Start a point-to-point exchange keyed by group rank (see ``exchange_with_neighbours``).
 
     Returning before completion lets ring algorithms compute on one block while the next travels.
+    Messages that fit the group's host channel go through shared memory, the rest over gloo.
     """
     if is_tracing():
         return _traced_exchange(sends, recv_shapes, group, dtype=dtype, device=device, anchor=anchor)
+    lookup_group = group if group is not None else dist.group.WORLD
+    itemsize = torch.empty(0, dtype=dtype).element_size()
     ops = []
     received: dict[int, torch.Tensor] = {}
+    channel, channel_receives = None, []
     # receives are posted first, so a peer's message lands in its buffer as it arrives
     for peer, shape in recv_shapes.items():
-        buffer = torch.empty(tuple(shape), dtype=dtype, device=device)
+        shape = tuple(shape)
+        numel = int(torch.Size(shape).numel())
+        peer_channel = opened_channel(lookup_group, device, numel * itemsize) if numel else None
+        if peer_channel is not None:
+            channel = peer_channel
+            channel_receives.append((peer, peer_channel.post_receive(peer), shape, dtype))
+            continue
+        buffer = torch.empty(shape, dtype=dtype, device=device)
         received[peer] = buffer
-        if buffer.numel():
+        if numel:
             ops.append(dist.P2POp(dist.irecv, buffer, group=group, group_peer=peer))
     for peer, tensor in sends.items():
-        if tensor.numel():
-            payload = tensor.contiguous()
-            _record("p2p", _nbytes(payload))
-            ops.append(dist.P2POp(dist.isend, payload, group=group, group_peer=peer))
+        if not tensor.numel():
+            continue
+        _record("p2p", _nbytes(tensor))
+        peer_channel = opened_channel(lookup_group, tensor.device, _nbytes(tensor))
+        if peer_channel is not None:
+            peer_channel.send(peer, tensor)
+            continue
+        ops.append(dist.P2POp(dist.isend, tensor.contiguous(), group=group, group_peer=peer))
     requests = dist.batch_isend_irecv(ops) if ops else []
-    return PendingExchange(requests, received)
+    return PendingExchange(requests, received, channel, channel_receives)
 
 
 def _functional_all_to_all(flat: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:

@@ -63,7 +63,12 @@ def build_device_mesh(
         raise ValueError(f"mesh_dim_names {names} has {len(names)} entries but mesh_shape {shape} has {len(shape)}")
     if len(set(names)) != len(names):
         raise ValueError(f"mesh_dim_names {names} must be unique")
-    return init_device_mesh(manager.device.type, shape, mesh_dim_names=names)
+    mesh = init_device_mesh(manager.device.type, shape, mesh_dim_names=names)
+    from .host_channel import open_channel  # host_channel imports this module
+
+    for dim in range(mesh.ndim):  # now, while every rank is here: halo messages then use shared memory from the start
+        open_channel(mesh.get_group(dim))
+    return mesh
 
 
 class DistributedManager:
@@ -90,6 +95,7 @@ class DistributedManager:
         self._backend: str | None = None
         self._owns_process_group = False
         self._global_mesh: DeviceMesh | None = None
+        self._timeout_s = DEFAULT_TIMEOUT_S
 
     @classmethod
     def is_initialized(cls) -> bool:
@@ -111,6 +117,7 @@ class DistributedManager:
             timeout = DEFAULT_TIMEOUT_S
         if isinstance(timeout, (int, float)):
             timeout = timedelta(seconds=timeout)
+        manager._timeout_s = timeout.total_seconds()
         cuda = torch.cuda.is_available()
         if dist.is_initialized():
             manager._adopt_process_group(cuda)
@@ -166,11 +173,19 @@ class DistributedManager:
         A multi-rank job that initializes again should use a new MASTER_PORT: peers can still be
         connected to rank 0's old store while it is being torn down.
         """
+        from .host_channel import close_channels  # host_channel imports this module
+
+        close_channels()
         if self._owns_process_group and dist.is_initialized():
             _wait_for_peers()
             dist.destroy_process_group()
         self._shared_state.clear()
         self._reset()
+
+    @property
+    def timeout_s(self) -> float:
+        """How long a collective waits for its peers (``initialize(timeout=)``)."""
+        return self._timeout_s
 
     @property
     def rank(self) -> int:

@@ -1,0 +1,337 @@
+"""Small collectives and point-to-point messages between ranks of one host, through shared memory.
+
+Why: a sharded step issues about a hundred tiny collectives (normalization statistics, gradients
+of replicated operands, the loss) and about eighty halo messages of 10-400 KB.  Over gloo on
+loopback each costs 0.5-2 ms, mostly thread wake-ups; through shared pages a tiny all-reduce costs
+20-50 us (``benchmarks/collective_latency.py``).  Larger messages stay on gloo.
+
+Each group gets one segment in ``/dev/shm``: a header of counters (each in its own cache line)
+and two regions of double-buffered slots.
+
+- Collectives: call ``k`` writes this rank's payload into bank ``k % 2`` of its slot, publishes
+  ``k`` in its counter, waits until every peer's counter reaches ``k`` and reads their slots.  A
+  rank can only start call ``k + 2`` (overwriting bank ``k % 2``) once every peer published
+  ``k + 1``, that is once every peer has read bank ``k % 2``.  Every rank reduces the slots in
+  rank order, so the results are bitwise equal.
+- Messages: each ordered pair (sender, receiver) has its own FIFO of two slots, a ``sent`` counter
+  written by the sender and a ``consumed`` counter written by the receiver; the sender reuses a
+  slot once the receiver has copied out the message that was in it.
+
+A message or collective goes through the channel when it fits its slot; both sides know every
+size, so they always agree.  The segment is unlinked once every rank has mapped it, so nothing
+is left in ``/dev/shm`` when processes die.  A rank that waits too long, or whose peer process has
+exited, raises instead of hanging.  The store ordering the protocol relies on (payload before
+counter) holds on x86-64; other architectures, CUDA tensors, non-gloo groups, code traced by
+torch.compile (functional collectives) and ``PHYSICS_DP_HOST_CHANNEL=0`` use gloo.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import secrets
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from .manager import DistributedManager
+from .tracing import is_tracing
+
+__all__ = [
+    "HostChannel",
+    "channel_for",
+    "open_channel",
+    "opened_channel",
+    "close_channels",
+    "SLOT_BYTES",
+    "MESSAGE_SLOT_BYTES",
+    "ENABLE_ENV_VAR",
+]
+
+ENABLE_ENV_VAR = "PHYSICS_DP_HOST_CHANNEL"
+SLOT_BYTES = 256 * 1024  # per rank and collective
+MESSAGE_SLOT_BYTES = 512 * 1024  # per ordered pair and message (tmpfs fills only the pages written)
+_BANKS = 2
+_COUNTER_STRIDE = 8  # int64 entries between two counters: one cache line each
+_MAX_RANKS = 8  # larger groups (several hosts, or unusual) keep gloo
+_SHM_DIR = "/dev/shm"
+_YIELD_FOR_S = 0.005  # then sleep: a peer this late is computing, not about to arrive
+_SLEEP_S = 0.0002
+_LIVENESS_EVERY_S = 0.5
+
+
+class HostChannel:
+    """One process group's shared segment, mapped by every rank of the group."""
+
+    def __init__(self, mapping: mmap.mmap, rank: int, world: int, peer_pids: list[int], timeout_s: float) -> None:
+        self._mapping = mapping
+        self.rank, self.world = rank, world
+        header = _header_bytes(world)
+        self._counters = memoryview(mapping)[:header].cast("q")
+        memory = torch.frombuffer(mapping, dtype=torch.uint8, offset=header, count=_segment_bytes(world) - header)
+        collective_bytes = _BANKS * world * SLOT_BYTES
+        self._banks = memory[:collective_bytes].view(_BANKS, world, SLOT_BYTES)
+        self._mailboxes = memory[collective_bytes:].view(world, world, _BANKS, MESSAGE_SLOT_BYTES)
+        self._peers = [p for p in range(world) if p != rank]
+        self._pids = peer_pids
+        self._timeout_s = timeout_s
+        self._oversubscribed = _local_ranks() > _usable_cpus()
+        self._calls = 0
+        self._sent = [0] * world  # messages sent to each peer
+        self._posted = [0] * world  # receives posted from each peer
+
+    # counters: one per rank for collectives, then sent[sender][receiver], then consumed[receiver][sender]
+    def _collective_counter(self, rank: int) -> int:
+        return rank * _COUNTER_STRIDE
+
+    def _sent_counter(self, sender: int, receiver: int) -> int:
+        return (self.world + sender * self.world + receiver) * _COUNTER_STRIDE
+
+    def _consumed_counter(self, receiver: int, sender: int) -> int:
+        return (self.world + self.world**2 + receiver * self.world + sender) * _COUNTER_STRIDE
+
+    # ----- collectives ----------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        """A new tensor: the elementwise sum, max or min of ``tensor`` over the group's ranks."""
+        flat = tensor.reshape(-1)
+        rows = self._exchange(flat, [flat.numel()] * self.world)
+        if reduce_op == "max":
+            out = rows.amax(0)
+        elif reduce_op == "min":
+            out = rows.amin(0)
+        else:
+            out = rows.sum(0, dtype=tensor.dtype)
+        return out.view(tensor.shape)
+
+    def all_gather(self, flat: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Every rank's 1-D ``flat`` (rank ``p`` holding ``counts[p]`` elements), concatenated in rank order."""
+        rows = self._exchange(flat, counts)
+        return torch.cat([rows[p, : counts[p]] for p in range(self.world)])
+
+    def _exchange(self, flat: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Publish ``flat``; return the bank as (world, max count) of its dtype once every peer has published."""
+        self._calls += 1
+        bank = self._banks[self._calls % 2]
+        itemsize = flat.element_size()
+        nbytes = max(counts) * itemsize
+        if flat.numel():
+            bank[self.rank, : flat.numel() * itemsize].view(flat.dtype).copy_(flat)
+        self._counters[self._collective_counter(self.rank)] = self._calls
+        for peer in self._peers:
+            self._wait_until(self._collective_counter(peer), self._calls, peer)
+        return bank[:, :nbytes].view(flat.dtype)
+
+    # ----- point-to-point messages ----------------------------------------------------------------
+    def send(self, peer: int, tensor: torch.Tensor) -> None:
+        """Copy ``tensor`` (any strides) into the next slot towards ``peer`` and publish it.
+
+        Waits only if ``peer`` has not yet copied out the message sent two messages ago.
+        """
+        self._sent[peer] += 1
+        number = self._sent[peer]
+        self._wait_until(self._consumed_counter(peer, self.rank), number - _BANKS, peer)
+        slot = self._mailboxes[self.rank, peer, number % _BANKS]
+        slot[: tensor.numel() * tensor.element_size()].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        self._counters[self._sent_counter(self.rank, peer)] = number
+
+    def post_receive(self, peer: int) -> int:
+        """Reserve the next message from ``peer``; pass the returned number to :meth:`receive`."""
+        self._posted[peer] += 1
+        return self._posted[peer]
+
+    def receive(self, peer: int, number: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Message ``number`` from ``peer``, copied out of its slot (which the sender may then reuse)."""
+        self._wait_until(self._sent_counter(peer, self.rank), number, peer)
+        out = torch.empty(shape, dtype=dtype)
+        slot = self._mailboxes[peer, self.rank, number % _BANKS]
+        out.copy_(slot[: out.numel() * out.element_size()].view(dtype).view(shape))
+        self._counters[self._consumed_counter(self.rank, peer)] = number
+        return out
+
+    # ----- waiting --------------------------------------------------------------------------------
+    def _wait_until(self, index: int, value: int, peer: int) -> None:
+        """Return once counter ``index`` (written by ``peer``) reaches ``value``."""
+        if self._counters[index] < value:
+            self._spin(index, value, peer)
+
+    def _spin(self, index: int, value: int, peer: int) -> None:
+        """Spin (yielding the CPU) until the counter moves; sleep once the peer is clearly late."""
+        start = time.monotonic()
+        next_check = start + _LIVENESS_EVERY_S
+        yield_until = start if self._oversubscribed else start + _YIELD_FOR_S
+        while self._counters[index] < value:
+            now = time.monotonic()
+            if now < yield_until:
+                os.sched_yield()
+                continue
+            time.sleep(_SLEEP_S)
+            if now >= next_check:
+                next_check = now + _LIVENESS_EVERY_S
+                self._check_peer(peer, now - start)
+
+    def _check_peer(self, peer: int, waited_s: float) -> None:
+        pid = self._pids[peer]
+        if pid and not _process_alive(pid):
+            raise RuntimeError(
+                f"group rank {peer} (pid {pid}) exited while group rank {self.rank} waited for it in a collective "
+                "over shared memory; see that rank's error above"
+            )
+        if waited_s > self._timeout_s:
+            raise RuntimeError(
+                f"Timed out waiting {self._timeout_s * 1000:.0f}ms: group rank {self.rank} waited for group rank {peer} "
+                f"(pid {pid}) in a collective over shared memory; every rank must issue the same collectives in the "
+                f"same order (set {ENABLE_ENV_VAR}=0 to use gloo for them)"
+            )
+
+    def close(self) -> None:
+        """Unmap now if nothing else holds the slots; otherwise the mapping goes with its last tensor."""
+        self._counters.release()
+        del self._banks, self._mailboxes
+        try:
+            self._mapping.close()
+        except BufferError:
+            pass
+
+
+# ----- opening a channel: one handshake over gloo per group -------------------------------------
+_channels: dict[ProcessGroup, HostChannel | None] = {}
+
+
+def channel_for(group: ProcessGroup, tensor: torch.Tensor, max_bytes: int) -> HostChannel | None:
+    """The channel of ``group`` for a collective of at most ``max_bytes`` per rank, else None.
+
+    Collective on the first eligible call for a group (every rank makes the same call, so every
+    rank reaches the handshake); later calls cost a dict lookup.
+    """
+    if tensor.device.type != "cpu" or tensor.dtype == torch.bool or max_bytes > SLOT_BYTES or is_tracing():
+        return None
+    return open_channel(group)
+
+
+def open_channel(group: ProcessGroup) -> HostChannel | None:
+    """The channel of ``group``, opened now if it was not (collective then: every group rank calls it)."""
+    if group not in _channels:
+        world = dist.get_world_size(group)
+        eligible = 1 < world <= _MAX_RANKS and dist.get_backend(group) == "gloo"
+        _channels[group] = _open(group) if eligible else None
+    return _channels[group]
+
+
+def opened_channel(group: ProcessGroup, device: torch.device, nbytes: int) -> HostChannel | None:
+    """The channel of ``group`` for a message of ``nbytes`` if one is already open, else None.
+
+    Never opens one: a point-to-point call need not be made by every rank of the group.
+    """
+    if device.type != "cpu" or nbytes > MESSAGE_SLOT_BYTES or is_tracing():
+        return None
+    return _channels.get(group)
+
+
+def close_channels() -> None:
+    """Unmap every channel (process-group teardown)."""
+    for channel in _channels.values():
+        if channel is not None:
+            channel.close()
+    _channels.clear()
+
+
+def _open(group: ProcessGroup) -> HostChannel | None:
+    """Rank 0 creates the segment; every rank maps it and checks a token; all agree or none uses it."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    willing = os.environ.get(ENABLE_ENV_VAR, "1") != "0" and platform.machine().lower() in ("x86_64", "amd64")
+    size = _segment_bytes(world)
+    path, token = None, secrets.token_hex(16)
+    if rank == 0 and willing:
+        path = _create_segment(size, token)
+    offers: list = [None] * world
+    dist.all_gather_object(offers, (path, token, os.getpid()), group=group)
+    root_path, root_token, _ = offers[0]
+    mapping = _map_segment(root_path, size, root_token) if willing and root_path else None
+    agreed = torch.tensor([1 if mapping is not None else 0], dtype=torch.int32)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    if rank == 0 and path is not None:
+        os.unlink(path)  # every rank has mapped it (or given up): the memory lives as long as the mappings
+    if not agreed.item():
+        if mapping is not None:
+            mapping.close()
+        return None
+    pids = [pid if _process_alive(pid) else 0 for _, _, pid in offers]  # 0: not visible here, not checked
+    return HostChannel(mapping, rank, world, pids, DistributedManager().timeout_s)
+
+
+def _header_bytes(world: int) -> int:
+    counters = world + 2 * world**2
+    return -(-counters * _COUNTER_STRIDE * 8 // 4096) * 4096
+
+
+def _segment_bytes(world: int) -> int:
+    return _header_bytes(world) + _BANKS * world * SLOT_BYTES + world * world * _BANKS * MESSAGE_SLOT_BYTES
+
+
+def _create_segment(size: int, token: str) -> str | None:
+    if not os.path.isdir(_SHM_DIR):
+        return None
+    path = os.path.join(_SHM_DIR, f"physics_dp-{token[:12]}-{os.getpid()}")
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except OSError:
+        return None
+    try:
+        os.ftruncate(fd, size)
+        os.pwrite(fd, token.encode(), size - len(token))
+    except OSError:
+        os.close(fd)
+        os.unlink(path)
+        return None
+    os.close(fd)
+    return path
+
+
+def _map_segment(path: str, size: int, token: str) -> mmap.mmap | None:
+    """Map the segment if it is there and carries ``token`` (so it is the same host's memory)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        if os.fstat(fd).st_size != size:
+            return None
+        mapping = mmap.mmap(fd, size)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if mapping[size - len(token) :] != token.encode():
+        mapping.close()
+        return None
+    return mapping
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs here and is not a zombie (an exited child its parent has not reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            state = handle.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+def _local_ranks() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1

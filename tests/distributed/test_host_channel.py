@@ -1,0 +1,173 @@
+"""The shared-memory host channel: same answers as gloo, bitwise equal on every rank, never a hang."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from physics_dp.testing import run_on_ranks
+
+
+def _results_against_gloo() -> dict:
+    import torch.distributed as dist
+
+    from physics_dp.distributed import collectives, host_channel
+
+    group = dist.group.WORLD
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(rank)
+    values = torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    out = {}
+    for op, gloo_op in (("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX), ("min", dist.ReduceOp.MIN)):
+        expected = values.clone()
+        dist.all_reduce(expected, op=gloo_op, group=group)
+        out[op] = (collectives.all_reduce(values, op, group), expected)
+    out["avg"] = (collectives.all_reduce(values, "avg", group), out["sum"][1] / world)
+    ints = torch.arange(4, dtype=torch.int64) * (rank + 1)
+    out["int sum"] = (collectives.all_reduce(ints, "sum", group), torch.arange(4) * sum(range(1, world + 1)))
+    sizes = [r + 1 for r in range(world)]  # uneven pieces, one row per rank more
+    piece = torch.full((rank + 1, 2), float(rank), dtype=torch.float32)
+    expected_gather = torch.cat([torch.full((r + 1, 2), float(r)) for r in range(world)])
+    out["gather"] = (collectives.all_gather_along_dim(piece, sizes, 0, group), expected_gather)
+    out["sizes"] = (torch.tensor(collectives.gather_sizes([rank, 7], group)), torch.tensor([[r, 7] for r in range(world)]))
+    channel = host_channel._channels.get(group)
+    return {"pairs": out, "calls": None if channel is None else channel._calls, "sum bits": out["sum"][0]}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_collectives_match_gloo_and_agree_bitwise_across_ranks(world):
+    results = run_on_ranks(world, _results_against_gloo)
+    for result in results:
+        assert result["calls"] is not None and result["calls"] >= 7  # the channel carried them
+        for name, (actual, expected) in result["pairs"].items():
+            torch.testing.assert_close(actual, expected.to(actual.dtype), rtol=1e-12, atol=1e-12, msg=name)
+    for result in results[1:]:
+        assert torch.equal(result["sum bits"], results[0]["sum bits"])
+
+
+def _large_message_uses_gloo() -> tuple[int, int, bool]:
+    import torch.distributed as dist
+
+    from physics_dp.distributed import collectives, host_channel
+
+    group = dist.group.WORLD
+    collectives.all_reduce(torch.ones(1), "sum", group)
+    channel = host_channel._channels[group]
+    before = channel._calls
+    big = torch.ones(host_channel.SLOT_BYTES // 4 + 1)  # one float32 over the slot
+    total = collectives.all_reduce(big, "sum", group)
+    return before, channel._calls, bool((total == dist.get_world_size()).all())
+
+
+def test_messages_over_a_slot_go_over_gloo():
+    for before, after, correct in run_on_ranks(2, _large_message_uses_gloo):
+        assert after == before and correct
+
+
+def _disabled_by_environment() -> tuple[bool, float]:
+    import torch.distributed as dist
+
+    from physics_dp.distributed import collectives, host_channel
+
+    os.environ[host_channel.ENABLE_ENV_VAR] = "0"
+    try:
+        group = dist.new_group(list(range(dist.get_world_size())))
+        total = collectives.all_reduce(torch.ones(2), "sum", group)
+        return host_channel._channels[group] is None, total[0].item()
+    finally:
+        del os.environ[host_channel.ENABLE_ENV_VAR]
+
+
+def test_environment_variable_turns_the_channel_off():
+    assert run_on_ranks(2, _disabled_by_environment) == [(True, 2.0)] * 2
+
+
+def _one_rank_waits_alone() -> str:
+    import torch.distributed as dist
+
+    from physics_dp.distributed import collectives, host_channel
+
+    group = dist.new_group([0, 1])  # a group of its own: the unmatched call leaves it out of step
+    collectives.all_reduce(torch.ones(1), "sum", group)
+    if dist.get_rank() == 1:
+        return ""
+    host_channel._channels[group]._timeout_s = 1.0
+    with pytest.raises(RuntimeError) as error:
+        collectives.all_reduce(torch.ones(1), "sum", group)
+    return str(error.value)
+
+
+def test_a_collective_no_peer_joins_raises_instead_of_hanging():
+    message = run_on_ranks(2, _one_rank_waits_alone, timeout=30.0)[0]
+    assert "Timed out waiting 1000ms" in message and "same collectives in the same order" in message
+
+
+def test_liveness_check_tells_running_exited_and_zombie_processes_apart():
+    from physics_dp.distributed.host_channel import _process_alive
+
+    assert _process_alive(os.getpid())
+    reaped = subprocess.Popen([sys.executable, "-c", "pass"])
+    reaped.wait()
+    assert not _process_alive(reaped.pid)
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    os.waitid(os.P_PID, zombie.pid, os.WEXITED | os.WNOWAIT)  # exited, not yet reaped
+    assert not _process_alive(zombie.pid)
+    zombie.wait()
+
+
+def _segments_left() -> list[str]:
+    import torch.distributed as dist
+
+    from physics_dp.distributed import collectives
+
+    group = dist.new_group([0, 1])
+    collectives.all_reduce(torch.ones(1), "sum", group)
+    dist.barrier()
+    return sorted(name for name in os.listdir("/dev/shm") if name.startswith("physics_dp-"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_no_segment_is_left_in_dev_shm():
+    assert run_on_ranks(2, _segments_left) == [[], []]
+
+
+def _ring_messages() -> dict:
+    import torch.distributed as dist
+
+    from physics_dp.distributed import collectives, host_channel
+    from physics_dp.testing import get_mesh
+
+    group = get_mesh((dist.get_world_size(),)).get_group(0)  # building the mesh opened its channel
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    channel = host_channel._channels[group]
+    before = list(channel._sent)
+    checks = []
+    for dtype in (torch.float32, torch.float64, torch.complex64, torch.int64):
+        base = (torch.arange(4 * 6 * 5) + 1000 * rank).view(4, 6, 5).to(dtype)
+        piece = base[:, 1:3]  # not contiguous: copied straight into the slot
+        got = collectives.exchange_with_neighbours({nxt: piece}, {prv: (4, 2, 5)}, group, dtype=dtype, device=piece.device)
+        expected = (torch.arange(4 * 6 * 5) + 1000 * prv).view(4, 6, 5).to(dtype)[:, 1:3]
+        checks.append(torch.equal(got[prv], expected))
+    # two exchanges in flight before either is waited on (as the attention ring does)
+    first = collectives.start_exchange({nxt: torch.full((3,), float(rank))}, {prv: (3,)}, group, dtype=torch.float32, device=torch.device("cpu"))
+    second = collectives.start_exchange({nxt: torch.full((3,), rank + 0.5)}, {prv: (3,)}, group, dtype=torch.float32, device=torch.device("cpu"))
+    checks.append(torch.equal(first.wait()[prv], torch.full((3,), float(prv))))
+    checks.append(torch.equal(second.wait()[prv], torch.full((3,), prv + 0.5)))
+    through_channel = [a - b for a, b in zip(channel._sent, before)]
+    big = torch.full((host_channel.MESSAGE_SLOT_BYTES // 8 + 1,), float(rank), dtype=torch.float64)
+    got = collectives.exchange_with_neighbours({nxt: big}, {prv: big.shape}, group, dtype=big.dtype, device=big.device)
+    checks.append(torch.equal(got[prv], torch.full_like(big, float(prv))))
+    return {"checks": checks, "through channel": through_channel[nxt], "after big": channel._sent[nxt] - before[nxt]}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_point_to_point_messages_go_through_the_channel_up_to_its_slot(world):
+    for result in run_on_ranks(world, _ring_messages):
+        assert all(result["checks"]), result["checks"]
+        assert result["through channel"] == 6  # four dtypes, two in flight together
+        assert result["after big"] == 6  # the message over a slot went over gloo
