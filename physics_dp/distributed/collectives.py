@@ -27,6 +27,8 @@ __all__ = [
     "count_communication",
     "all_gather_along_dim",
     "all_to_all_chunks",
+    "all_to_all_into",
+    "all_to_all_joined",
     "all_reduce",
     "gather_sizes",
     "broadcast",
@@ -99,23 +101,69 @@ def all_to_all_chunks(
     Sizes may differ per peer (including zero).  The chunk kept for oneself is copied locally,
     so the bytes recorded are only those that leave this rank.
     """
-    me = dist.get_rank(group)
-    ref = next(t for t in send)
-    dtype, device = ref.dtype, ref.device
-    in_splits = [t.numel() for t in send]
-    out_splits = [int(torch.Size(s).numel()) for s in recv_shapes]
+    ref = send[0]
     if is_tracing():
-        received = _functional_all_to_all(torch.cat([piece.reshape(-1) for piece in send]), out_splits, in_splits, group)
-        return [p.view(tuple(s)) for p, s in zip(torch.split(received, out_splits), recv_shapes)]
+        return _traced_all_to_all(send, recv_shapes, group)
+    outs = [torch.empty(tuple(s), dtype=ref.dtype, device=ref.device) for s in recv_shapes]
+    all_to_all_into(send, outs, group)
+    return outs
+
+
+def all_to_all_into(send: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], group: ProcessGroup) -> None:
+    """Send ``send[j]`` to group rank ``j`` and write what rank ``j`` sends into ``outs[j]``.
+
+    ``outs`` may be views into one result (the pieces' places in it), so nothing is concatenated
+    afterwards; pieces on both sides may have any strides.  Between ranks of one host the pieces go
+    through shared memory, straight from ``send`` into ``outs``.
+    """
+    me = dist.get_rank(group)
+    ref = send[0]
+    in_splits = [t.numel() for t in send]
+    if is_tracing():
+        for out, piece in zip(outs, _traced_all_to_all(send, [o.shape for o in outs], group)):
+            out.copy_(piece)
+        return
+    _record("all_to_all", (sum(in_splits) - in_splits[me]) * ref.element_size())
+    channel = channel_for(group, ref, None)
+    if channel is not None:
+        channel.all_to_all(list(send), list(outs))
+        return
+    out_splits = [o.numel() for o in outs]
     # each piece is written once, straight into the send buffer (strided pieces included)
-    send_buffer = torch.empty(sum(in_splits), dtype=dtype, device=device)
+    send_buffer = torch.empty(sum(in_splits), dtype=ref.dtype, device=ref.device)
     for piece, chunk in zip(send, torch.split(send_buffer, in_splits)):
         chunk.view(piece.shape).copy_(piece)
-    recv_buffer = torch.empty(sum(out_splits), dtype=dtype, device=device)
-    _record("all_to_all", (sum(in_splits) - in_splits[me]) * ref.element_size())
+    recv_buffer = torch.empty(sum(out_splits), dtype=ref.dtype, device=ref.device)
     dist.all_to_all_single(recv_buffer, send_buffer, out_splits, in_splits, group=group)
-    pieces = torch.split(recv_buffer, out_splits)
-    return [p.view(tuple(s)) for p, s in zip(pieces, recv_shapes)]
+    for out, piece in zip(outs, torch.split(recv_buffer, out_splits)):
+        out.copy_(piece.view(out.shape))
+
+
+def all_to_all_joined(
+    send: Sequence[torch.Tensor], recv_shapes: Sequence[Sequence[int]], dim: int, group: ProcessGroup
+) -> torch.Tensor:
+    """:func:`all_to_all_chunks` with the received pieces concatenated along ``dim``, each written
+    straight into its place in the result."""
+    if is_tracing():
+        return torch.cat(_traced_all_to_all(send, recv_shapes, group), dim=dim)
+    shape = list(recv_shapes[0])
+    shape[dim] = sum(s[dim] for s in recv_shapes)
+    out = torch.empty(shape, dtype=send[0].dtype, device=send[0].device)
+    offsets = [0]
+    for s in recv_shapes[:-1]:
+        offsets.append(offsets[-1] + s[dim])
+    all_to_all_into(send, [out.narrow(dim, o, s[dim]) for o, s in zip(offsets, recv_shapes)], group)
+    return out
+
+
+def _traced_all_to_all(
+    send: Sequence[torch.Tensor], recv_shapes: Sequence[Sequence[int]], group: ProcessGroup
+) -> list[torch.Tensor]:
+    """The all-to-all as one functional collective, which torch.compile can trace."""
+    in_splits = [t.numel() for t in send]
+    out_splits = [int(torch.Size(s).numel()) for s in recv_shapes]
+    received = _functional_all_to_all(torch.cat([piece.reshape(-1) for piece in send]), out_splits, in_splits, group)
+    return [p.view(tuple(s)) for p, s in zip(torch.split(received, out_splits), recv_shapes)]
 
 
 def all_gather_along_dim(
@@ -133,8 +181,8 @@ def all_gather_along_dim(
         _record("all_to_all", _nbytes(moved) * (world - 1))
         gathered = channel.all_gather(moved.reshape(-1), [n * row for n in sizes]).view(sum(sizes), *tail)
         return gathered.movedim(0, dim).contiguous()
-    pieces = all_to_all_chunks([moved] * world, [(n, *tail) for n in sizes], group)
-    return torch.cat(pieces, dim=0).movedim(0, dim).contiguous()
+    shapes = [[n if d == dim else extent for d, extent in enumerate(local.shape)] for n in sizes]
+    return all_to_all_joined([local] * world, shapes, dim, group)
 
 
 _REDUCE_OPS = {
@@ -156,7 +204,7 @@ def all_reduce(tensor: torch.Tensor, reduce_op: str, group: ProcessGroup) -> tor
     if world == 1:
         return tensor.contiguous().clone()
     _record("all_reduce", _nbytes(tensor))
-    channel = channel_for(group, tensor, _nbytes(tensor))
+    channel = channel_for(group, tensor, None)
     if channel is not None:
         out = channel.all_reduce(tensor, "sum" if reduce_op == "avg" else reduce_op)
     else:

@@ -54,7 +54,7 @@ def _reshard_same_dim(
         shape = list(local.shape)
         shape[dim] = max(0, recv_end - recv_start)
         recv_shapes.append(shape)
-    return torch.cat(collectives.all_to_all_chunks(sends, recv_shapes, group), dim=dim)
+    return collectives.all_to_all_joined(sends, recv_shapes, dim, group)
 
 
 def _reshard_other_dim(
@@ -75,7 +75,7 @@ def _reshard_other_dim(
         shape[src_dim] = src[peer]
         shape[dst_dim] = dst[coord]
         recv_shapes.append(shape)
-    return torch.cat(collectives.all_to_all_chunks(sends, recv_shapes, group), dim=src_dim)
+    return collectives.all_to_all_joined(sends, recv_shapes, src_dim, group)
 
 
 def _reduce_pieces(pieces: list[torch.Tensor], op: str) -> torch.Tensor:

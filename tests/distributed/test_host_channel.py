@@ -49,23 +49,74 @@ def test_collectives_match_gloo_and_agree_bitwise_across_ranks(world):
         assert torch.equal(result["sum bits"], results[0]["sum bits"])
 
 
-def _large_message_uses_gloo() -> tuple[int, int, bool]:
+def _all_to_all_in_rounds(dtype: torch.dtype) -> dict:
+    """Pieces of several MiB, uneven per pair, strided on both ends, some empty, rows over a slot."""
     import torch.distributed as dist
 
     from physics_dp.distributed import collectives, host_channel
 
     group = dist.group.WORLD
+    rank, world = dist.get_rank(), dist.get_world_size()
+    row = host_channel.SLOT_BYTES // 8 // world + 5  # one row of dim 1 fills more than a peer's region
+
+    def piece(sender: int, receiver: int) -> torch.Tensor:
+        rows = 0 if (sender, receiver) == (1, 0) else 3 + sender + 2 * receiver
+        gen = torch.Generator().manual_seed(100 * sender + receiver)
+        full = torch.randn(rows, row, 3, generator=gen).to(dtype)
+        return full.transpose(0, 1)  # (row, rows, 3), strided
+
+    sends = [piece(rank, peer) for peer in range(world)]
+    expected = [piece(peer, rank) for peer in range(world)]
+    shapes = [e.shape for e in expected]
+    joined = collectives.all_to_all_joined(sends, shapes, 1, group)
+    channel = host_channel._channels[group]
+    calls_before = channel._calls
+    with collectives.count_communication() as log:
+        chunks = collectives.all_to_all_chunks(sends, shapes, group)
+    return {
+        "joined": (joined, torch.cat(expected, dim=1)),
+        "chunks": (torch.cat(chunks, dim=1), torch.cat(expected, dim=1)),
+        "rounds": channel._calls - calls_before,
+        "bytes": (log.bytes_sent, sum(s.numel() * s.element_size() for p, s in enumerate(sends) if p != rank)),
+    }
+
+
+@pytest.mark.parametrize("world, dtype", [(2, torch.float32), (3, torch.complex64), (4, torch.float64)])
+def test_all_to_all_of_many_slots_runs_in_rounds_and_matches(world, dtype):
+    for result in run_on_ranks(world, _all_to_all_in_rounds, dtype):
+        assert result["rounds"] > 2  # several rounds through the slots, not gloo
+        for name in ("joined", "chunks"):
+            assert torch.equal(*result[name]), name
+        assert result["bytes"][0] == result["bytes"][1]
+
+
+def _large_all_reduce_in_rounds() -> dict:
+    import torch.distributed as dist
+
+    from physics_dp.distributed import collectives, host_channel
+
+    group = dist.group.WORLD
+    rank = dist.get_rank()
     collectives.all_reduce(torch.ones(1), "sum", group)
     channel = host_channel._channels[group]
     before = channel._calls
-    big = torch.ones(host_channel.SLOT_BYTES // 4 + 1)  # one float32 over the slot
-    total = collectives.all_reduce(big, "sum", group)
-    return before, channel._calls, bool((total == dist.get_world_size()).all())
+    count = 2 * host_channel.SLOT_BYTES // 8 + 3  # two slots of float64 and a partial third
+    values = torch.randn(count, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+    results = {op: collectives.all_reduce(values.view(-1, 1), op, group) for op in ("sum", "max")}
+    expected = {}
+    for op, gloo_op in (("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX)):
+        expected[op] = values.clone().view(-1, 1)
+        dist.all_reduce(expected[op], op=gloo_op, group=group)
+    return {"rounds": channel._calls - before, "results": results, "expected": expected}
 
 
-def test_messages_over_a_slot_go_over_gloo():
-    for before, after, correct in run_on_ranks(2, _large_message_uses_gloo):
-        assert after == before and correct
+def test_all_reduce_over_several_slots_runs_in_rounds():
+    results = run_on_ranks(2, _large_all_reduce_in_rounds)
+    for result in results:
+        assert result["rounds"] == 6  # 3 rounds per all-reduce
+        for op in ("sum", "max"):
+            torch.testing.assert_close(result["results"][op], result["expected"][op], rtol=1e-12, atol=1e-12)
+    assert torch.equal(results[0]["results"]["sum"], results[1]["results"]["sum"])
 
 
 def _disabled_by_environment() -> tuple[bool, float]:
