@@ -1,6 +1,8 @@
 """``torch.fft`` transforms over sharded dims by pencil decomposition.
 
-A 1-D FFT needs its whole dim on one rank.  So: transform the dims that are whole locally, move
+A 1-D FFT needs its whole dim on one rank.  Where the batch or channel dims can hold the shards,
+the mesh axes move there (one all-to-all each), the whole transform runs locally and the axes move
+back.  Otherwise, pencils: transform the dims that are whole locally, move
 each remaining sharded dim's mesh axis onto a dim already transformed (one all-to-all with
 uneven sizes: ``Shard(a) -> Shard(b)``), transform it, and finally move every axis back to the
 input's placements.  fft2 of an H-sharded (N, C, H, W) grid is then: FFT W, H -> W, FFT H,
@@ -64,6 +66,9 @@ def _local_fft(local: torch.Tensor, plan: FFTPlan, dims: list[int]) -> torch.Ten
 
 
 def _fft_call(local: torch.Tensor, plan: FFTPlan, dims: list[int]) -> torch.Tensor:
+    if sorted(dims) == sorted(plan.dims):  # the whole transform in one call: one multi-dim MKL plan
+        whole = {"fft": torch.fft.fftn, "ifft": torch.fft.ifftn, "rfft": torch.fft.rfftn, "irfft": torch.fft.irfftn}
+        return whole[plan.kind](local, s=plan.lengths, dim=plan.dims, norm=plan.norm)
     last = plan.dims[-1]
     lengths = [plan.lengths[plan.dims.index(d)] for d in dims]
     if plan.kind == "rfft" and dims == [last]:
@@ -133,9 +138,39 @@ def _output_spec(source: ShardTensorSpec, shape: Sequence[int]) -> ShardTensorSp
     return ShardTensorSpec(source.mesh, source.placements, shape, sizes)
 
 
+def _batch_layout(spec: ShardTensorSpec, plan: FFTPlan) -> ShardTensorSpec | None:
+    """The spec with every axis that shards a transformed dim moved to an untransformed dim that
+    can hold its shards (largest first), or None where some axis finds no such dim."""
+    placements: list[Placement] = list(spec.placements)
+    sizes = list(spec.axis_sizes)
+    moved = False
+    for axis, placement in enumerate(spec.placements):
+        if type(placement) is not Shard or placement.dim not in plan.dims:
+            continue
+        parts = spec.mesh.size(axis)
+        taken = {p.dim for p in placements if type(p) is Shard}
+        batch = [d for d in range(spec.ndim) if d not in plan.dims and d not in taken and spec.shape[d] >= parts]
+        if not batch:
+            return None
+        target = max(batch, key=lambda d: spec.shape[d])
+        placements[axis], sizes[axis] = Shard(target), balanced_sizes(spec.shape[target], parts)
+        moved = True
+    return ShardTensorSpec(spec.mesh, placements, spec.shape, sizes) if moved else None
+
+
 def sharded_fft(tensor: ShardTensor, plan: FFTPlan) -> ShardTensor:
-    """Run ``plan`` on a ShardTensor; the result has the input's placements."""
+    """Run ``plan`` on a ShardTensor; the result has the input's placements.
+
+    Where the batch or channel dims can take every axis that shards a transformed dim, the axes
+    move there and the whole transform runs in one local call (MKL's multi-dim plan on contiguous
+    slabs: a 1-D transform of a strided pencil dim costs about as much as the slab's whole fft2);
+    otherwise the pencil steps below.  Both send the tensor twice.
+    """
     source = tensor._spec
+    batch = _batch_layout(source, plan)
+    if batch is not None:
+        tensor = _transform_whole(redistribute_to_spec(tensor, batch), plan, list(plan.dims))
+        return redistribute_to_spec(tensor, _output_spec(source, tensor.shape))
     pending = list(plan.dims)
     done: list[int] = []
     while pending:
