@@ -45,6 +45,8 @@ import yaml
 from torch._C._profiler import _EventType
 from torch.autograd.profiler import profile
 
+from physics_dp.distributed.host_memory import keep_freed_memory
+
 __all__ = [
     "TARGET_SLACK",
     "StepMemory",
@@ -332,6 +334,8 @@ def _spawned_rank(rank: int, world: int, port: int, args: argparse.Namespace, da
     torch.set_num_threads(1)
     from physics_dp.distributed import DistributedManager
 
+    if args.allocator == "keep":
+        keep_freed_memory()
     DistributedManager.initialize()
     try:
         result = _rank_body(args, data_parallel)
@@ -427,6 +431,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--floor", action="store_true",
                         help="add, per rank count N > 1, N concurrent plain processes on 1/N of the grid each: "
                         "the best an N-rank step can do on this machine")
+    parser.add_argument("--allocator", choices=["keep", "default"], default="keep",
+                        help="keep: every process keeps freed host memory, as the trainer does by default "
+                        "(training.keep_freed_memory); default: glibc returns it and refaults it next step")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (>= 1: AdamW allocates its state)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps; the median is reported")
     parser.add_argument("--seed", type=int, default=0)
@@ -450,6 +457,8 @@ def main(argv: Sequence[str] | None = None) -> str:
     cores = os.cpu_count() or 1
     if not cuda and max(ranks) > cores:
         notes.append(f"{max(ranks)} ranks on {cores} cores are oversubscribed: their times are not scaling numbers")
+    if args.allocator == "keep":
+        keep_freed_memory()
     rows = [plain_reference(args, threads, device) for threads in (sorted({1, *ranks}) if not cuda else [1])]
     rows += [sharded_run(args, world, dp) for dp in args.data_parallel for world in ranks]
     if args.floor:
@@ -458,7 +467,8 @@ def main(argv: Sequence[str] | None = None) -> str:
     title = (f"StormCast regression U-Net ({args.model}) training step, global (N,C,H,W) = "
              f"({args.batch},{args.state_channels}+{args.cond_channels},{args.grid[0]},{args.grid[1]}), "
              f"torch {torch.__version__}, {'cuda/nccl' if cuda else f'cpu/gloo, {cores} cores'}, "
-             f"median of {args.steps} steps after {args.warmup} warm-up; memory per rank (largest rank)")
+             f"median of {args.steps} steps after {args.warmup} warm-up, allocator {args.allocator}; "
+             "memory per rank (largest rank)")
     text = "\n".join([title, "", format_table(rows), *[f"note: {n}" for n in notes]])
     print(text, flush=True)
     if args.json:

@@ -12,16 +12,15 @@ For each op (forward, then backward from a cotangent of ones, at one global size
 
     python benchmarks/ops_scaling.py [--ranks 2] [--repeats 7] [--ops conv,group_norm] [--json out.json]
 
-Every process (the single-process baselines and each rank) first tells glibc to keep freed
-blocks instead of returning them to the system (``mallopt``): otherwise a freed 16 MiB result is
-unmapped and the next step's allocation faults its pages in again, which costs about as much as a
+Every process (the single-process baselines and each rank) first keeps freed host memory, as the
+trainer does by default (``physics_dp.distributed.host_memory``): otherwise a freed 16 MiB result
+is unmapped and the next step's allocation faults its pages in again, which costs more than a
 memory-bound op itself and depends on which tensors happen to be alive, not on the op.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import socket
@@ -34,6 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+from physics_dp.distributed.host_memory import keep_freed_memory
 
 
 @dataclass(frozen=True)
@@ -116,17 +117,6 @@ def _backward(out: torch.Tensor) -> None:
     out.backward(torch.ones_like(out))
 
 
-def _keep_freed_memory() -> None:
-    """glibc: serve large blocks from the heap (no mmap per allocation) and never trim it."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc: nothing to tune
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 1 << 30)
-    libc.mallopt(m_trim_threshold, 1 << 62)
-
-
 def _median_time(step: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
     step()
     samples = []
@@ -158,7 +148,7 @@ def _slab_with_halo(x: torch.Tensor, case: Case, sizes: list[int], rank: int) ->
 
 def _rank_worker(rank: int, world: int, port: int, names: list[str], repeats: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    _keep_freed_memory()
+    keep_freed_memory()
     torch.set_num_threads(1)
     from physics_dp.distributed import DistributedManager
     from physics_dp.distributed.collectives import count_communication
@@ -229,7 +219,7 @@ def main() -> None:
     args = parser.parse_args()
     wanted = [w.strip() for w in args.ops.split(",") if w.strip()]
     cases = [c for c in CASES if not wanted or any(w in c.name for w in wanted)]
-    _keep_freed_memory()
+    keep_freed_memory()
     one_thread = _whole_grid(cases, 1, args.repeats)
     n_threads = _whole_grid(cases, args.ranks, args.repeats)
     sharded = _sharded(cases, args.ranks, args.repeats)

@@ -139,6 +139,7 @@ class TrainingConfig:
     compile: bool = False  # torch.compile the model (training steps, validation and inference)
     compile_backend: str = "inductor"  # inductor | aot_eager | eager (torch.compile backends)
     seed: int = 0
+    keep_freed_memory: bool = True  # keep freed host memory for the next step (no page refaults; see host_memory.py)
     checkpoint_interval: int = 50
     validation_interval: int = 50
     validation_batches: int = 2

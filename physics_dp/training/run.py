@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..config import validate
 from ..distributed import DistributedManager
 from ..distributed.agreement import on_rank0, raise_together
+from ..distributed.host_memory import keep_freed_memory
 from ..distributed.watchdog import Watchdog
 from .data_setup import DataBundle, build_data
 from .logger import RunLogger, setup_console_logging
@@ -76,6 +77,8 @@ def train(cfg: DictConfig) -> dict:
     only then is ``config.yaml`` written and training started.
     """
     validate(cfg)
+    if cfg.training.keep_freed_memory:
+        keep_freed_memory()
     DistributedManager.initialize(timeout=cfg.parallel.timeout_s)
     manager = DistributedManager()
     setup_console_logging(manager.rank)
