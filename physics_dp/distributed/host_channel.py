@@ -41,6 +41,7 @@ import os
 import platform
 import secrets
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -269,7 +270,9 @@ def _block_view(slot: torch.Tensor, offset: int, block: torch.Tensor, dtype: tor
 
 
 # ----- opening a channel: one handshake over gloo per group -------------------------------------
-_channels: dict[ProcessGroup, HostChannel | None] = {}
+# weak keys: a channel must not keep its group alive past ``destroy_process_group`` (a gloo group
+# destroyed only at interpreter exit aborted the process: a worker thread still joinable)
+_channels: weakref.WeakKeyDictionary[ProcessGroup, HostChannel | None] = weakref.WeakKeyDictionary()
 
 
 def channel_for(group: ProcessGroup, tensor: torch.Tensor, max_bytes: int | None) -> HostChannel | None:

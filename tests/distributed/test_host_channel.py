@@ -222,3 +222,27 @@ def test_point_to_point_messages_go_through_the_channel_up_to_its_slot(world):
         assert all(result["checks"]), result["checks"]
         assert result["through channel"] == 6  # four dtypes, two in flight together
         assert result["after big"] == 6  # the message over a slot went over gloo
+
+
+def _destroyed_group_is_released() -> tuple[bool, bool]:
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    from physics_dp.distributed import collectives, host_channel
+
+    group = dist.new_group(list(range(dist.get_world_size())))
+    collectives.all_reduce(torch.ones(2), "sum", group)
+    opened = host_channel._channels.get(group) is not None
+    alive = weakref.ref(group)
+    dist.destroy_process_group(group)
+    del group
+    gc.collect()
+    return opened, alive() is None
+
+
+def test_a_channel_does_not_keep_its_destroyed_group_alive():
+    """A group kept alive until interpreter exit aborted gloo ranks there (a joinable worker thread)."""
+    for opened, released in run_on_ranks(2, _destroyed_group_is_released):
+        assert opened and released
