@@ -3,7 +3,8 @@
 Spawns N gloo ranks x 1 thread; each runs forward, ``((out - target)**2).mean()``, backward on a
 global (1, 3 + 5, H, W) field sharded over H, and rank 0 prints the ops with the most self CPU
 time over the profiled steps, as a markdown table with each op's share of the total, plus the
-collectives the step issued.  Run it on two commits to compare before and after a change.
+collectives the step issued.  Every rank keeps freed host memory, as the trainer does by default.
+Run it on two commits to compare before and after a change.
 
     python benchmarks/step_profile.py [--ranks 2] [--grid 128 192] [--steps 2] [--rows 15]
 """
@@ -28,8 +29,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
 
     from physics_dp.distributed import DistributedManager
     from physics_dp.distributed.collectives import count_communication
+    from physics_dp.distributed.host_memory import keep_freed_memory
     from physics_dp.shard_tensor import Shard, distribute_tensor
 
+    keep_freed_memory()  # as the trainer does by default
     DistributedManager.initialize()
     mesh = DistributedManager().initialize_mesh((world,), ("domain",))
     height, width = args.grid
