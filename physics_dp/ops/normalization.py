@@ -87,6 +87,17 @@ def _scale_shift(x3: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> 
     return y.view(n, c, length)
 
 
+def _row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Dot products of the (N, C, L) rows of ``a`` and ``b``: (N, C).
+
+    einsum is the fastest for one sample (0.25 ms on (1, 64, 32768) fp32 against 0.55 for vecdot),
+    but for several it runs a batched matmul of 1 x L rows (1.2 ms on (4, 32, 8192) against 0.2).
+    """
+    if a.shape[0] == 1:
+        return torch.einsum("ncl,ncl->nc", a, b)
+    return torch.linalg.vecdot(a, b, dim=2)
+
+
 class _ChannelNorm(torch.autograd.Function):
     """Group, batch or instance norm with statistics over the global grid, affine included.
 
@@ -134,7 +145,7 @@ class _ChannelNorm(torch.autograd.Function):
         mean, rstd, total, scale = ctx.stats
         layout = ctx.layout
         channels = x3.shape[1]
-        sums = torch.stack([grad.sum(2), torch.einsum("ncl,ncl->nc", grad, x3)]).double()
+        sums = torch.stack([grad.sum(2), _row_dots(grad, x3)]).double()
         if not layout.per_sample:  # batch statistics: the batch (possibly split unevenly) is summed first
             sums = sums.sum(1, keepdim=True)
         for group in ctx.groups:
@@ -214,7 +225,7 @@ class _NormalizeGlobally(torch.autograd.Function):
             return (*_differentiated(ctx, grad, _normalize_again), None, None, None)
         xhat, rstd, count, slab = ctx.saved_tensors
         rows, grad_rows = xhat.reshape(ctx.row_shape), grad.reshape(ctx.row_shape)
-        sums = torch.stack([grad_rows.sum(2), torch.einsum("ncl,ncl->nc", grad_rows, rows)]).double()
+        sums = torch.stack([grad_rows.sum(2), _row_dots(grad_rows, rows)]).double()
         for group in ctx.groups:
             sums = collectives.all_reduce(sums, "sum", group)
         mean_grad, mean_grad_xhat = sums / count
