@@ -240,12 +240,44 @@ def _resize(x: ShardTensor, bound: dict[str, Any], out_shape: torch.Size) -> Sha
     factors = _native_factors(x, bound, out_shape)
     if factors is not None:  # torch's kernel on the window, then this rank's outputs
         local = F.interpolate(local, scale_factor=[float(k) for k in factors], mode=mode, align_corners=bound["align_corners"])
-        for split, k in zip(splits, factors):
-            local = local.narrow(split.dim, split.first - k * window_inside(split.window, split.extent)[0], split.count)
+        crops = tuple(
+            (split.dim, split.first - k * window_inside(split.window, split.extent)[0], split.count)
+            for split, k in zip(splits, factors)
+        )
+        local = _Crop.apply(local, crops)
     else:
         for split, taps in plans:
             local = resample(local, split.dim, taps, split.first, split.count, split.window[0])
     return wrap_local(local, x, out_shape, output_axis_sizes(x, splits))
+
+
+class _Crop(torch.autograd.Function):
+    """``narrow`` along several dims, whose backward writes the gradient into its place once.
+
+    Autograd's ``narrow`` backward fills a zero tensor of the window's output size and then copies
+    the gradient in, per narrowed dim; here only the few border rows are zeroed.  The window's
+    output is about the rank's output, so that saves a full pass over it.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, full: torch.Tensor, crops: tuple[tuple[int, int, int], ...]) -> torch.Tensor:  # type: ignore[override]
+        ctx.full_shape, ctx.crops = full.shape, crops
+        out = full
+        for dim, start, count in crops:
+            out = out.narrow(dim, start, count)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        full = grad.new_empty(ctx.full_shape)
+        inside = full
+        for dim, start, count in ctx.crops:
+            extent = full.shape[dim]
+            full.narrow(dim, 0, start).zero_()
+            full.narrow(dim, start + count, extent - start - count).zero_()
+            inside = inside.narrow(dim, start, count)
+        inside.copy_(grad)
+        return full, None
 
 
 def _global_shape(func: Any, bound: dict[str, Any], x: ShardTensor) -> torch.Size:
