@@ -1,6 +1,7 @@
 """Gradients of sharded tensors stay in their tensors' own layouts.
 
-Reductions hand their input's gradient back in the input's own layout.
+Reductions hand their input's gradient back in the input's own layout, and a differentiable mean
+runs as sum / count, whose backward is a view (see :func:`_mean_through_sum`).
 Their backward expands a replicated (reduced) gradient to the input's shape; left alone, that
 replicated, global-size gradient would flow upstream through every view, select and pointwise
 op into a sharded leaf's ``.grad``.  Cutting it to the slab at the reduction costs no
@@ -14,6 +15,7 @@ source's split here (the DTensor rule would re-split it in the ``torch.chunk`` l
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -37,8 +39,33 @@ def _keep_input_grad_layouts(func: Any, types: tuple, args: tuple, kwargs: dict)
     return run_default(func, args, kwargs)
 
 
+def _mean_through_sum(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
+    """A differentiable floating mean as ``sum / count``, so that its backward is an expand.
+
+    torch's mean backward divides the expanded gradient, which writes the reduced tensor's global
+    shape on every rank (the loss ``.mean()`` of a grid too large for one device would not fit)
+    before the cut to the slab.  ``sum``'s backward only expands: the slab is a view and the
+    division happens on the few reduced values.  CPU torch computes a mean as sum then division.
+    """
+    x = args[0] if args else kwargs.get("input")
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    keepdim = bool(args[2]) if len(args) > 2 else bool(kwargs.get("keepdim", False))
+    dtype = kwargs.get("dtype") or x.dtype
+    if not (torch.is_grad_enabled() and x.requires_grad and dtype.is_floating_point) or "out" in kwargs:
+        return _keep_input_grad_layouts(func, types, args, kwargs)
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        dims = tuple(range(x.ndim))
+    else:
+        dims = tuple(d % x.ndim for d in ((dim,) if isinstance(dim, int) else dim))
+    count = math.prod(x.shape[d] for d in dims)
+    accumulate = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    return (torch.sum(x, dims, keepdim=keepdim, dtype=accumulate) / count).to(dtype)
+
+
 for _func in _reduction_functions():  # layout-agnostic: strided inputs keep their layout too
     ShardTensor.register_function_handler(_func, _keep_input_grad_layouts, strided=True)
+for _func in (torch.mean, torch.Tensor.mean):
+    ShardTensor.register_function_handler(_func, _mean_through_sum, strided=True)
 
 
 def _empty_like_layout(local_shape: torch.Size, stride: tuple[int, ...], like: torch.Tensor, kwargs: dict) -> torch.Tensor:

@@ -94,3 +94,24 @@ def _optimizer_steps_on_sharded_leaf(world, optimizer_name):
 @pytest.mark.parametrize("world", [2, 3])
 def test_torch_optimizer_steps_a_sharded_leaf_like_one_device(world, optimizer_name):
     run_on_ranks(world, _optimizer_steps_on_sharded_leaf, world, optimizer_name)
+
+
+def _mean_gradients_stay_views() -> list[tuple]:
+    mesh = get_mesh((2,))
+    found = []
+    for reduce in (lambda y: y.mean(), lambda y: torch.mean(y, (2, 3)).sum(), lambda y: y.mean(dim=2, keepdim=True).sum()):
+        x = distribute_tensor(torch.randn(2, 3, 8, 6), mesh, [Shard(2)]).requires_grad_(True)
+        y = x.square()
+        seen = []
+        y.register_hook(seen.append)
+        reduce(y).backward()
+        local = seen[0].to_local()
+        found.append((tuple(local.shape), local.untyped_storage().nbytes(), x.to_local().nbytes))
+    return found
+
+
+def test_a_mean_hands_back_a_view_of_the_slab_not_the_global_gradient():
+    """torch's mean backward divides the expanded gradient: every rank wrote the global shape."""
+    for per_rank in run_on_ranks(2, _mean_gradients_stay_views):
+        for shape, stored, slab in per_rank:
+            assert shape == (2, 3, 4, 6) and stored < slab, (shape, stored, slab)  # a copy would hold the slab
