@@ -147,7 +147,6 @@ class HostChannel:
         so both ends cut a piece into the same blocks.  Collective: every rank calls it.
         """
         outs[self.rank].copy_(sends[self.rank])
-        dtype = outs[self.rank].dtype
         region = (SLOT_BYTES - _FLAG_BYTES) // (self.world - 1) // 64 * 64
         limit = region // outs[self.rank].element_size()
         to_send = {p: _blocks(sends[p], limit) for p in self._peers}
@@ -168,7 +167,7 @@ class HostChannel:
             for p in self._peers:
                 if rounds < len(to_receive[p]):
                     block = to_receive[p][rounds]
-                    block.copy_(_block_view(slots[p], self._region_of(self.rank, p, region), block, dtype))
+                    block.copy_(_block_view(slots[p], self._region_of(self.rank, p, region), block))
             rounds += 1
             if not any(slots[p, :8].view(torch.int64)[0].item() for p in range(self.world)):
                 return
@@ -262,11 +261,10 @@ def _blocks(piece: torch.Tensor, limit: int) -> list[torch.Tensor]:
     return [block for index in range(len(piece)) for block in _blocks(piece[index], limit)]
 
 
-def _block_view(slot: torch.Tensor, offset: int, block: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+def _block_view(slot: torch.Tensor, offset: int, block: torch.Tensor) -> torch.Tensor:
     """The bytes at ``offset`` of ``slot`` seen as a contiguous tensor shaped like ``block``."""
-    dtype = dtype or block.dtype
     nbytes = block.numel() * block.element_size()
-    return slot[offset : offset + nbytes].view(dtype).view(block.shape)
+    return slot[offset : offset + nbytes].view(block.dtype).view(block.shape)
 
 
 # ----- opening a channel: one handshake over gloo per group -------------------------------------
