@@ -24,6 +24,7 @@ from ..shard_tensor import Shard, ShardTensor, ShardTensorSpec
 from ..shard_tensor.conversions import keep_grad_layout
 from ..shard_tensor.dispatch import run_default
 from ..shard_tensor.fallback import propagate_and_run
+from .reductions import accumulate_dtype
 
 _REDUCTION_NAMES = "sum mean nansum var std var_mean std_mean amax amin max min logsumexp norm prod".split()
 
@@ -58,8 +59,7 @@ def _mean_through_sum(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any
     else:
         dims = tuple(d % x.ndim for d in ((dim,) if isinstance(dim, int) else dim))
     count = math.prod(x.shape[d] for d in dims)
-    accumulate = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-    return (torch.sum(x, dims, keepdim=keepdim, dtype=accumulate) / count).to(dtype)
+    return (torch.sum(x, dims, keepdim=keepdim, dtype=accumulate_dtype(dtype)) / count).to(dtype)
 
 
 for _func in _reduction_functions():  # layout-agnostic: strided inputs keep their layout too

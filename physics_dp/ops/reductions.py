@@ -41,7 +41,7 @@ from ..shard_tensor.spec import contiguous_strides
 from ._local import ShardedOpError, groups_spanning
 from .moments import global_moments
 
-__all__: list[str] = []
+__all__ = ["accumulate_dtype"]
 
 aten = torch.ops.aten
 _NO_INDEX = torch.iinfo(torch.int64).max  # the index of an empty shard's candidate: never the smallest
@@ -156,7 +156,7 @@ def _gather(value: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 
 # ----- sum, mean --------------------------------------------------------------------------------
-def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     """Half-precision sums accumulate in float32, as torch's own kernels do."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
@@ -181,7 +181,7 @@ def _mean(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> ShardTensor:
             "mean(): could not infer output dtype. Input dtype must be either a floating point or complex dtype. "
             f"Got: {dtype}"
         )
-    total = torch.sum(plan.local, plan.dims, keepdim=True, dtype=_accumulate_dtype(dtype))
+    total = torch.sum(plan.local, plan.dims, keepdim=True, dtype=accumulate_dtype(dtype))
     count = math.prod(plan.tensor.shape[d] for d in plan.dims)
     return plan.wrap((_all_reduce(total, "sum", plan.groups) / count).to(dtype))
 
