@@ -75,6 +75,10 @@ OPS: dict[str, tuple[Callable[..., torch.Tensor], int]] = {
     "add": (operator.add, 2),
     "mul": (operator.mul, 2),
     "gelu": (F.gelu, 1),
+    # every backward starts from one; models build masks and buffers with them
+    "ones_like": (torch.ones_like, 1),
+    # reshapes at module boundaries (attention heads, flattening for linear layers)
+    "view": (lambda t: t.view(t.shape[0], 2, -1), 1),
 }
 SIZES: tuple[int, ...] = (8, 64)
 REGIMES: tuple[str, ...] = ("no_autograd", "autograd")

@@ -1,12 +1,12 @@
 """Where a sharded training step's time goes: torch.profiler over the StormCast regression U-Net step.
 
 Spawns N gloo ranks x 1 thread; each runs forward, ``((out - target)**2).mean()``, backward on a
-global (1, 3 + 5, H, W) field sharded over H, and rank 0 prints the ops with the most self CPU
+global (1, 3 + 5, H, W) field sharded over H, and rank 0 (or ``--rank``) prints the ops with the most self CPU
 time over the profiled steps, as a markdown table with each op's share of the total, plus the
 collectives the step issued.  Every rank keeps freed host memory, as the trainer does by default.
 Run it on two commits to compare before and after a change.
 
-    python benchmarks/step_profile.py [--ranks 2] [--grid 128 192] [--steps 2] [--rows 15]
+    python benchmarks/step_profile.py [--ranks 2] [--grid 128 192] [--steps 2] [--rows 15] [--rank 0]
 """
 
 from __future__ import annotations
@@ -53,11 +53,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
             step()
-    if rank == 0:
+    if rank == args.rank:
         averages = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
         total = sum(e.self_cpu_time_total for e in averages)
         print(f"{world} ranks, grid {height}x{width}, {args.steps} steps: {total / 1e3 / args.steps:.0f} ms self CPU per step "
-              f"on rank 0; {log.calls} collectives per step\n")
+              f"on rank {rank}; {log.calls} collectives per step\n")
         print("| op | self CPU ms / step | share | calls / step |\n| --- | --- | --- | --- |")
         for event in averages[: args.rows]:
             print(f"| {event.key} | {event.self_cpu_time_total / 1e3 / args.steps:.1f} | "
@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--grid", nargs=2, type=int, default=[128, 192], metavar=("H", "W"))
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--rows", type=int, default=15)
+    parser.add_argument("--rank", type=int, default=0, help="the rank whose profile is printed (ranks wait for each other)")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

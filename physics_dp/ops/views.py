@@ -147,20 +147,35 @@ def plan_view(spec: ShardTensorSpec, out_shape: Sequence[int]) -> tuple[ShardTen
     return needed, out
 
 
+# (input spec, output shape) -> (the input spec the view needs, the output spec); specs are
+# immutable, and planning a view costs more than the view itself (a training step takes hundreds)
+_VIEW_PLANS: dict[tuple[ShardTensorSpec, tuple[int, ...]], tuple[ShardTensorSpec, ShardTensorSpec]] = {}
+_VIEW_PLAN_LIMIT = 4096
+
+
+def _view_plan(spec: ShardTensorSpec, out_shape: Sequence[int]) -> tuple[ShardTensorSpec, ShardTensorSpec]:
+    key = (spec, tuple(out_shape))
+    plan = _VIEW_PLANS.get(key)
+    if plan is None:
+        needed, out = plan_view(spec, out_shape)
+        stride = spec.stride if needed == spec else contiguous_strides(spec.shape)
+        out_stride = torch.empty_strided(spec.shape, stride, device="meta").view(out_shape).stride()
+        out_spec = ShardTensorSpec(spec.mesh, [p for p, _ in out], out_shape, [s for _, s in out], out_stride)
+        if len(_VIEW_PLANS) >= _VIEW_PLAN_LIMIT:
+            _VIEW_PLANS.clear()
+        plan = _VIEW_PLANS[key] = (needed, out_spec)
+    return plan
+
+
 def _view_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> ShardTensor:
     tensor, size = args[0], args[1]
     spec = tensor._spec
     if spec.shape.numel() == 0:
         raise ShardingRuleError(f"{op}: views of empty global tensors {tuple(spec.shape)} are not supported")
-    out_shape = _resolve_size(size, spec.shape.numel())
-    needed, out = plan_view(spec, out_shape)
+    needed, out_spec = _view_plan(spec, _resolve_size(size, spec.shape.numel()))
     local = tensor._local_tensor
-    stride = spec.stride
     if needed != spec:
         local = redistribute_local(local, spec, needed)  # returns a contiguous slab
-        stride = contiguous_strides(spec.shape)
-    out_stride = torch.empty_strided(spec.shape, stride, device="meta").view(out_shape).stride()
-    out_spec = ShardTensorSpec(spec.mesh, [p for p, _ in out], out_shape, [s for _, s in out], out_stride)
     local_shape = list(out_spec.local_shape())
     try:
         return ShardTensor(op(local, local_shape), out_spec)

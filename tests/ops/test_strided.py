@@ -204,3 +204,46 @@ def _from_local_round_trip():
 def test_from_local_with_strided_placements():
     for message in run_on_ranks(4, _from_local_round_trip):
         assert message is not None and "sharding_shapes='chunk'" in message
+
+
+def _same_layout_ops(world):
+    """``*_like`` factories, clones and casts on an uneven split, with DTensor's propagation forbidden."""
+    import physics_dp.ops.strided as strided
+    import physics_dp.shard_tensor.fallback as fallback
+
+    mesh = get_mesh((world,))
+    full = torch.randn(2, 3, 2 * world + 1, 4, generator=torch.Generator().manual_seed(3))
+    sizes = tuple([1] * (world - 1) + [world + 2])
+    x = distribute_tensor(full, mesh, [Shard(2)], sharding_sizes={0: sizes})
+    original = fallback.propagate_and_run
+
+    def refuse(op, args, kwargs):
+        raise AssertionError(f"{op} took DTensor's sharding propagation")
+
+    strided.propagate_and_run = fallback.propagate_and_run = refuse
+    try:
+        for source, plain in ((x, full), (x.transpose(2, 3), full.transpose(2, 3))):
+            results = {
+                "ones_like": (torch.ones_like(source), torch.ones_like(plain)),
+                "zeros_like": (torch.zeros_like(source), torch.zeros_like(plain)),
+                "clone": (source.clone(), plain.clone()),
+                "to float64": (source.to(torch.float64), plain.to(torch.float64)),
+                "contiguous clone": (source.clone(memory_format=torch.contiguous_format),
+                                     plain.clone(memory_format=torch.contiguous_format)),
+            }
+            for name, (sharded, expected) in results.items():
+                assert sharded.placements == source.placements, name
+                assert sharded._spec.axis_sizes == source._spec.axis_sizes, name
+                assert sharded.stride() == expected.stride(), name
+                assert sharded.dtype == expected.dtype, name
+                torch.testing.assert_close(sharded.full_tensor(), expected, msg=name)
+            empty = torch.empty_like(source)
+            assert (empty.shape, empty.stride(), empty._spec.axis_sizes) == (plain.shape, plain.stride(), source._spec.axis_sizes)
+    finally:
+        strided.propagate_and_run = fallback.propagate_and_run = original
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_like_factories_clones_and_casts_keep_the_layout_without_dtensor_propagation(world):
+    assert all(run_on_ranks(world, _same_layout_ops, world))

@@ -92,6 +92,24 @@ def test_flatten_of_a_leading_sharded_dim_is_free(world):
     run_on_ranks(world, _flatten_keeps_shard_without_communication, world)
 
 
+def _views_of_equal_shapes_with_different_splits():
+    """View plans are cached per input spec: the same global shape split two ways views two ways."""
+    mesh = get_mesh((2,))
+    full = torch.arange(2 * 3 * 7 * 5, dtype=torch.float32).reshape(2, 3, 7, 5)
+    results = []
+    for sizes in ((2, 5), (5, 2), (2, 5)):
+        x = distribute_tensor(full, mesh, [Shard(2)], sharding_sizes={0: sizes})
+        flat = x.view(2, 3, 35)
+        torch.testing.assert_close(flat.full_tensor(), full.view(2, 3, 35))
+        results.append(flat._spec.axis_sizes[0])
+    return results
+
+
+def test_a_view_follows_the_split_of_each_input():
+    for sizes in run_on_ranks(2, _views_of_equal_shapes_with_different_splits):
+        assert sizes == [(10, 25), (25, 10), (10, 25)]
+
+
 def test_view_groups():
     assert view_groups((2, 3, 7, 5), (2, 3, 35)) == [([0], [0]), ([1], [1]), ([2, 3], [2])]
     assert view_groups((1, 7), (7,)) == [([0, 1], [0])]
