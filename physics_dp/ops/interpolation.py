@@ -26,6 +26,7 @@ from ..shard_tensor import ShardTensor
 from ._args import bind
 from ._local import ShardedOpError, local_input, sharded_axes, wrap_local
 from .conv import check_stencil_layout, window_inside
+from .halo_resample import BorderPlan, ResampleGeometry, halo_resample
 from .pooling import DimSplit, dim_split, gather_inside, output_axis_sizes, run_planewise
 
 __all__ = ["Taps", "dim_taps", "resample", "uses_vectorized_nearest"]
@@ -146,11 +147,15 @@ def _starts(sizes: Sequence[int]) -> list[int]:
     return [sum(sizes[:i]) for i in range(len(sizes))]
 
 
-def _split(taps: Taps, dim: int, axis: int | None, sizes: tuple[int, ...], me: int) -> DimSplit:
-    """Outputs go to the owner of their source row; each rank's window spans its outputs' taps."""
+def _split(taps: Taps, dim: int, axis: int | None, sizes: tuple[int, ...], me: int, factor: int | None = None) -> DimSplit:
+    """Outputs go to the owner of their source row, or ``factor`` per input row (torch's kernel on
+    the slab: see :mod:`.halo_resample`); each rank's window spans its outputs' taps."""
     starts = _starts(sizes)
     out = taps.source.numel()
-    cuts = torch.searchsorted(taps.source, torch.tensor(starts)).tolist() + [out]
+    if factor is not None:
+        cuts = [factor * start for start in starts] + [out]
+    else:
+        cuts = torch.searchsorted(taps.source, torch.tensor(starts)).tolist() + [out]
     out_sizes = tuple(b - a for a, b in zip(cuts, cuts[1:]))
     windows = []
     for start, a, b in zip(starts, cuts, cuts[1:]):
@@ -214,7 +219,7 @@ def _native_factors(x: ShardTensor, bound: dict[str, Any], out_shape: torch.Size
     input starts at row ``lo`` and the output at ``k * lo``; the window holds every tap of the
     rank's outputs, and it reaches a global edge exactly where torch's clamping does.
     """
-    if bound["mode"] not in _NATIVE_MODES or bound["align_corners"] or x._spec.local_shape().numel() == 0:
+    if bound["mode"] not in _NATIVE_MODES or bound["align_corners"]:
         return None
     factors = []
     for dim, scale in zip(range(2, x.ndim), _scales(bound, x.ndim - 2)):
@@ -225,20 +230,74 @@ def _native_factors(x: ShardTensor, bound: dict[str, Any], out_shape: torch.Size
     return factors
 
 
+@functools.lru_cache(maxsize=256)
+def _border_plans(
+    sizes: tuple[int, ...], factor: int, mode: str, dtype: torch.dtype, vectorized: bool
+) -> tuple[BorderPlan, ...] | None:
+    """Every rank's borders when torch's kernel runs on the slabs (see :mod:`.halo_resample`), or None.
+
+    From the taps: a rank's outputs whose global taps equal those of its slab alone (rows and
+    weights) come out right; the others must be a few rows at each end, their taps within the
+    adjacent ranks' slabs.  Anything else (tiny shards) is None: the window path handles it.
+    """
+    extent = sum(sizes)
+    whole = dim_taps(extent, factor * extent, mode, False, float(factor), dtype, vectorized)
+    plans = []
+    for rank, (lo, size) in enumerate(zip(_starts(sizes), sizes)):
+        if size == 0:
+            return None
+        alone = dim_taps(size, factor * size, mode, False, float(factor), dtype, vectorized)
+        rows, own_rows = whole.rows[factor * lo : factor * (lo + size)], alone.rows + lo
+        same = (rows == own_rows).all(1)
+        if whole.weights is not None:
+            same &= (whole.weights[factor * lo : factor * (lo + size)] == alone.weights).all(1)
+        outputs = same.numel()
+        top = int(same.long().argmax()) if bool(same.any()) else outputs
+        bottom = int(same.flip(0).long().argmax()) if bool(same.any()) else 0
+        if top + bottom > outputs or not bool(same[top : outputs - bottom].all()) or (top and rank == 0) or (
+            bottom and rank == len(sizes) - 1
+        ):
+            return None
+        halo = (lo - int(rows[:top].min()) if top else 0, int(rows[outputs - bottom :].max()) + 1 - lo - size if bottom else 0)
+        reach_top = max(int(rows[:top].max()), int(own_rows[:top].max())) - lo + 1 if top else 0
+        reach_bottom = lo + size - min(int(rows[outputs - bottom :].min()), int(own_rows[outputs - bottom :].min())) if bottom else 0
+        if max(reach_top, reach_bottom) > size or (top and halo[0] > sizes[rank - 1]) or (bottom and halo[1] > sizes[rank + 1]):
+            return None
+        plans.append(BorderPlan((top, bottom), halo, (reach_top, reach_bottom)))
+    return tuple(plans)
+
+
+def _halo_geometry(x: ShardTensor, splits: Sequence[DimSplit], factors: Sequence[int], mode: str, vectorized: bool) -> ResampleGeometry | None:
+    """The slab path's geometry when exactly one resized dim is sharded and its borders allow it."""
+    sharded = [split for split in splits if split.axis is not None]
+    if len(sharded) != 1:
+        return None
+    split = sharded[0]
+    factor = factors[split.dim - 2]
+    borders = _border_plans(split.sizes, factor, mode, _coordinate_dtype(x.dtype), vectorized)
+    if borders is None:
+        return None
+    group = x.device_mesh.get_group(split.axis)
+    return ResampleGeometry(split.dim, mode, tuple(factors), group, split.sizes, split.me, borders)
+
+
 def _resize(x: ShardTensor, bound: dict[str, Any], out_shape: torch.Size) -> ShardTensor:
     nd = x.ndim - 2
     mode, align_corners = bound["mode"], bool(bound["align_corners"])
     dtype, vectorized = _coordinate_dtype(x.dtype), uses_vectorized_nearest(x, out_shape)
+    factors = _native_factors(x, bound, out_shape)
     plans = []
     with outside_trace():
         for dim, scale in zip(range(2, x.ndim), _scales(bound, nd)):
             axis, sizes, me = dim_split(x, dim)
             taps = dim_taps(x.shape[dim], out_shape[dim], mode, align_corners, scale, dtype, vectorized)
-            plans.append((_split(taps, dim, axis, sizes, me), taps))
-    splits = [split for split, _ in plans]
+            plans.append((_split(taps, dim, axis, sizes, me, None if factors is None else factors[dim - 2]), taps))
+        splits = [split for split, _ in plans]
+        geometry = None if factors is None else _halo_geometry(x, splits, factors, mode, vectorized)
+    if geometry is not None:  # torch's kernel on the slab, borders from the neighbours' rows
+        return wrap_local(halo_resample(local_input(x), geometry), x, out_shape, output_axis_sizes(x, splits))
     local = gather_inside(local_input(x), x, splits)
-    factors = _native_factors(x, bound, out_shape)
-    if factors is not None:  # torch's kernel on the window, then this rank's outputs
+    if factors is not None and local.numel():  # torch's kernel on the window, then this rank's outputs
         local = F.interpolate(local, scale_factor=[float(k) for k in factors], mode=mode, align_corners=bound["align_corners"])
         crops = tuple(
             (split.dim, split.first - k * window_inside(split.window, split.extent)[0], split.count)

@@ -18,7 +18,7 @@ from torch import nn
 from physics_dp.ops._local import ShardedOpError
 from physics_dp.ops.interpolation import dim_taps, resample, uses_vectorized_nearest
 from physics_dp.shard_tensor import Partial, Replicate, Shard, ShardTensor, distribute_tensor
-from physics_dp.testing import forward_backward_traffic, get_mesh, run_on_ranks
+from physics_dp.testing import assert_sharded_matches, forward_backward_traffic, get_mesh, run_on_ranks
 
 from .test_halo import LAYOUTS, SPLITS, world_of
 from .test_pooling import batch_and_length, check_cases, half_or_global, hw, spatial
@@ -189,14 +189,32 @@ def test_nearest_upsampling_by_two_sends_nothing(mesh_shape):
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_bilinear_upsampling_fetches_one_row_from_the_next_rank(world):
-    # 12 rows, scale 2, align_corners=False: a rank's last output reads its last row and the next
-    # rank's first; its first output reads only its own rows.
+def test_bilinear_upsampling_exchanges_one_row_with_each_neighbour(world):
+    # 12 rows, scale 2, align_corners=False: a rank owns outputs 2 lo .. 2 hi - 1; the first reads
+    # the previous rank's last row, the last the next rank's first.  The backward returns the
+    # gradient of each such row to its owner.  Nothing else travels.
     row = 2 * 3 * 8 * 4
     upsample = nn.Upsample(scale_factor=2, mode="bilinear")
     for (c,), forward, backward in run_on_ranks(world, _upsample_bytes, (world,), upsample):
-        assert forward == ([("p2p", row)] if c > 0 else []), (c, forward)
-        assert backward == ([("p2p", row)] if c < world - 1 else []), (c, backward)
+        neighbours = (c > 0) + (c < world - 1)
+        assert sorted(forward) == [("p2p", row)] * neighbours, (c, forward)
+        assert sorted(backward) == [("p2p", row)] * neighbours, (c, backward)
+
+
+def _upsampled_splits(world):
+    """The input and output splits of a bilinear x2 upsample."""
+    mesh = get_mesh((world,))
+    x = distribute_tensor(torch.randn(2, 3, 4 * world + 1, 8), mesh, hw(mesh)).requires_grad_(True)
+    y = F.interpolate(x, scale_factor=2, mode="bilinear")
+    return x._spec.axis_sizes[0], y._spec.axis_sizes[0]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_power_of_two_upsampling_keeps_the_split_in_proportion(world):
+    # so a U-Net's skip connection (the encoder's split, before a pooling by two) meets the
+    # upsampled decoder features without a redistribution
+    for sizes, out_sizes in run_on_ranks(world, _upsampled_splits, world):
+        assert out_sizes == tuple(2 * s for s in sizes)
 
 
 # ----- unsupported combinations -------------------------------------------------------------------
@@ -224,3 +242,37 @@ def test_unsupported_combinations_raise_naming_op_placements_and_reason():
     assert antialias.startswith("interpolate") and "Shard(dim=2)" in antialias and "antialias=True" in antialias
     assert area.startswith("adaptive_avg_pool2d") and "from 13 to 5" in area
     assert partial.startswith("interpolate") and "Partial" in partial and "redistribute" in partial
+
+
+def _resize_on_the_slab(world, name):
+    """Power-of-two resizes of a 1-D split, with the window gather (a copy of the slab) forbidden."""
+    import physics_dp.ops.interpolation as interpolation
+
+    # the op, the global shape, and the smallest shard whose border windows reach only the neighbours
+    fn, shape, small = {
+        "bilinear_x2": (lambda t: F.interpolate(t, scale_factor=2, mode="bilinear"), (2, 3, 5 * world + 2, 6), 2),
+        "bicubic_x4_x2": (lambda t: F.interpolate(t, scale_factor=(4, 2), mode="bicubic"), (1, 2, 6 * world + 1, 5), 4),
+        "trilinear_x2": (lambda t: F.interpolate(t, scale_factor=2, mode="trilinear"), (1, 2, 4 * world + 3, 3, 4), 2),
+        "nearest_exact_x2": (lambda t: F.interpolate(t, scale_factor=2, mode="nearest-exact"), (2, 2, 3 * world, 5), 1),
+    }[name]
+    mesh = get_mesh((world,))
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(5))
+    original = interpolation.gather_inside
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the slab was gathered into a window")
+
+    interpolation.gather_inside = refuse
+    try:
+        sizes = [{0: [small] * (world - 1) + [shape[2] - small * (world - 1)]}]  # uneven, small shards
+        assert_sharded_matches(fn, [x], mesh, [[Shard(2)]], sharding_sizes=sizes)
+        assert_sharded_matches(fn, [x], mesh, [[Shard(2)]])
+    finally:
+        interpolation.gather_inside = original
+    return True
+
+
+@pytest.mark.parametrize("name", ["bilinear_x2", "bicubic_x4_x2", "trilinear_x2", "nearest_exact_x2"])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_power_of_two_resizes_run_on_the_slab_without_copying_it(world, name):
+    assert all(run_on_ranks(world, _resize_on_the_slab, world, name))

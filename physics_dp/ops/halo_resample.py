@@ -1,0 +1,203 @@
+"""torch's own resize kernel on the slab, along one sharded dim, without copying the slab.
+
+With an integer power-of-two factor ``k`` and ``align_corners`` off, the rank owning input rows
+``[lo, hi)`` owns output rows ``[k lo, k hi)``, and torch's kernel run on the slab alone computes
+every one of them exactly as on the whole grid except a few border rows, whose taps reach the
+neighbours' rows (bilinear x2: one row on each side).  So the slab is resized as it is, while the
+halo rows travel; then each border is resized again from a small window (the neighbour's halo
+rows and a few of the slab's) and written over the wrong rows.  The backward is linear too: the
+slab's resize backward of the whole output gradient, minus what its border rows gave the slab
+alone (a small backward), plus what they give the small windows, whose halo rows' gradients go
+back to their owners.  Nothing the size of the slab or the output is copied, in either direction.
+
+A double backward (``create_graph=True``) differentiates the same resize written with the
+differentiable window gather (:mod:`.halo`) instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.distributed import ProcessGroup
+
+from ..distributed import collectives
+from .grad_sums import creating_graph
+from .halo import gather_window
+
+__all__ = ["BorderPlan", "ResampleGeometry", "halo_resample"]
+
+_LINEAR_BACKWARD = {1: "upsample_linear1d_backward", 2: "upsample_bilinear2d_backward", 3: "upsample_trilinear3d_backward"}
+
+
+@dataclass(frozen=True)
+class BorderPlan:
+    """One rank's borders along the sharded dim, as counts of rows (0 where it has no neighbour).
+
+    ``wrong``: output rows at (top, bottom) that the slab alone gets wrong; ``halo``: rows needed
+    from the (previous, next) rank; ``inner``: slab rows the border outputs' taps span.
+    """
+
+    wrong: tuple[int, int]
+    halo: tuple[int, int]
+    inner: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class ResampleGeometry:
+    """Everything but the tensors: the sharded dim, torch's resize arguments, every rank's borders."""
+
+    dim: int
+    mode: str
+    factors: tuple[int, ...]  # per spatial dim: integer powers of two
+    group: ProcessGroup
+    sizes: tuple[int, ...]  # the split of the sharded dim over ``group``
+    me: int
+    borders: tuple[BorderPlan, ...]  # per rank of ``group``
+
+    @property
+    def mine(self) -> BorderPlan:
+        return self.borders[self.me]
+
+
+def _resize(t: torch.Tensor, geometry: ResampleGeometry) -> torch.Tensor:
+    return F.interpolate(t, scale_factor=[float(k) for k in geometry.factors], mode=geometry.mode)
+
+
+def _resize_backward(grad: torch.Tensor, input_shape: Sequence[int], geometry: ResampleGeometry) -> torch.Tensor:
+    """The gradient of :func:`_resize` for an input of ``input_shape``: torch's own backward kernel."""
+    nd = len(input_shape) - 2
+    scales = [float(k) for k in geometry.factors]
+    out_size, in_size = list(grad.shape[2:]), list(input_shape)
+    aten = torch.ops.aten
+    if geometry.mode == "nearest":
+        return getattr(aten, f"upsample_nearest{nd}d_backward")(grad, out_size, in_size, *scales)
+    if geometry.mode == "nearest-exact":
+        return getattr(aten, f"_upsample_nearest_exact{nd}d_backward")(grad, out_size, in_size, *scales)
+    name = "upsample_bicubic2d_backward" if geometry.mode == "bicubic" else _LINEAR_BACKWARD[nd]
+    return getattr(aten, name)(grad, out_size, in_size, False, *scales)
+
+
+def _rows(shape: Sequence[int], dim: int, count: int) -> list[int]:
+    shape = list(shape)
+    shape[dim] = count
+    return shape
+
+
+def _taken_by_neighbours(geometry: ResampleGeometry) -> tuple[int, int]:
+    """How many of this rank's first and last rows the previous and next rank's border windows read."""
+    me, borders = geometry.me, geometry.borders
+    first = borders[me - 1].halo[1] if me > 0 else 0
+    last = borders[me + 1].halo[0] if me < len(borders) - 1 else 0
+    return first, last
+
+
+def _start_exchange(
+    top: torch.Tensor | None, bottom: torch.Tensor | None, receive: tuple[int, int], like: torch.Tensor, geometry: ResampleGeometry
+) -> collectives.PendingExchange:
+    """Send ``top`` to the previous rank and ``bottom`` to the next; receive ``receive`` rows from each."""
+    me, dim = geometry.me, geometry.dim
+    sends, shapes = {}, {}
+    for peer, piece, count in ((me - 1, top, receive[0]), (me + 1, bottom, receive[1])):
+        if piece is not None and piece.shape[dim]:
+            sends[peer] = piece
+        if count:
+            shapes[peer] = _rows(like.shape, dim, count)
+    return collectives.start_exchange(sends, shapes, geometry.group, dtype=like.dtype, device=like.device, anchor=like)
+
+
+class _HaloResample(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, geometry: ResampleGeometry) -> torch.Tensor:  # type: ignore[override]
+        dim, plan, me = geometry.dim, geometry.mine, geometry.me
+        extent = local.shape[dim]
+        first, last = _taken_by_neighbours(geometry)
+        pending = _start_exchange(
+            local.narrow(dim, 0, first), local.narrow(dim, extent - last, last), plan.halo, local, geometry
+        )
+        y = _resize(local, geometry)
+        received = pending.wait()
+        k = geometry.factors[dim - 2]
+        (top, bottom), halo_top, (inner_top, inner_bottom) = plan.wrong, plan.halo[0], plan.inner
+        if top:
+            window = torch.cat([received[me - 1], local.narrow(dim, 0, inner_top)], dim)
+            y.narrow(dim, 0, top).copy_(_resize(window, geometry).narrow(dim, k * halo_top, top))
+        if bottom:
+            window = torch.cat([local.narrow(dim, extent - inner_bottom, inner_bottom), received[me + 1]], dim)
+            y.narrow(dim, y.shape[dim] - bottom, bottom).copy_(_resize(window, geometry).narrow(dim, k * inner_bottom - bottom, bottom))
+        ctx.geometry, ctx.input_shape = geometry, local.shape
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        geometry: ResampleGeometry = ctx.geometry
+        shape = ctx.input_shape
+        if creating_graph():
+            return _differentiable_backward(shape, grad, geometry), None
+        dim, plan, me = geometry.dim, geometry.mine, geometry.me
+        extent, out_extent = shape[dim], grad.shape[dim]
+        grad_input = _resize_backward(grad, shape, geometry)
+        (top, bottom), (halo_top, halo_bottom), (inner_top, inner_bottom) = plan.wrong, plan.halo, plan.inner
+        to_prev = to_next = None
+        if top:
+            to_prev = _border_backward(grad.narrow(dim, 0, top), grad_input, geometry, inner_top, halo_top, True)
+        if bottom:
+            to_next = _border_backward(
+                grad.narrow(dim, out_extent - bottom, bottom), grad_input, geometry, inner_bottom, halo_bottom, False
+            )
+        receive = _taken_by_neighbours(geometry)  # the gradients of those rows come back
+        received = _start_exchange(to_prev, to_next, receive, grad_input, geometry).wait()
+        if receive[0]:
+            grad_input.narrow(dim, 0, receive[0]).add_(received[me - 1])
+        if receive[1]:
+            grad_input.narrow(dim, extent - receive[1], receive[1]).add_(received[me + 1])
+        return grad_input, None
+
+
+def _border_backward(
+    border_grad: torch.Tensor, grad_input: torch.Tensor, geometry: ResampleGeometry, inner: int, halo: int, top: bool
+) -> torch.Tensor:
+    """Correct ``grad_input`` for one border's overwritten rows; return the halo rows' gradient.
+
+    The slab's own backward credited the border rows' gradient to the slab alone; that share is
+    taken back (a backward of the ``inner`` slab rows' resize) and the window's share added.
+    """
+    dim, k = geometry.dim, geometry.factors[geometry.dim - 2]
+    count = border_grad.shape[dim]
+    slab_rows = grad_input.narrow(dim, 0 if top else grad_input.shape[dim] - inner, inner)
+
+    def spread(rows: int, offset: int) -> torch.Tensor:
+        """The backward of a resize of ``rows`` input rows, whose output gradient is the border's at ``offset``."""
+        out_grad = border_grad.new_zeros(_rows(border_grad.shape, dim, k * rows))
+        out_grad.narrow(dim, offset, count).copy_(border_grad)
+        return _resize_backward(out_grad, _rows(grad_input.shape, dim, rows), geometry)
+
+    slab_share = spread(inner, 0 if top else k * inner - count)
+    window_share = spread(halo + inner, k * halo if top else k * inner - count)
+    slab_rows.sub_(slab_share).add_(window_share.narrow(dim, halo if top else 0, inner))
+    return window_share.narrow(dim, 0 if top else inner, halo).contiguous()
+
+
+def _differentiable_backward(shape: torch.Size, grad: torch.Tensor, geometry: ResampleGeometry) -> torch.Tensor:
+    """The input gradient as a differentiable function of ``grad``: the resize of the gathered window.
+
+    A resize is linear, so its backward does not depend on the input's values: any slab will do.
+    """
+    dim, k = geometry.dim, geometry.factors[geometry.dim - 2]
+    starts = [sum(geometry.sizes[:r]) for r in range(len(geometry.sizes))]
+    windows = [
+        (start - plan.halo[0], start + size + plan.halo[1]) for start, size, plan in zip(starts, geometry.sizes, geometry.borders)
+    ]
+    with torch.enable_grad():
+        source = grad.new_zeros(shape).requires_grad_(True)
+        window = gather_window(source, dim, geometry.sizes, windows, group=geometry.group)
+        y = _resize(window, geometry).narrow(dim, k * geometry.mine.halo[0], k * shape[dim])
+        (grad_input,) = torch.autograd.grad(y, source, grad, create_graph=True)
+    return grad_input
+
+
+def halo_resample(local: torch.Tensor, geometry: ResampleGeometry) -> torch.Tensor:
+    """torch's resize of the global tensor, this rank's output rows, from its slab (see the module docstring)."""
+    return _HaloResample.apply(local, geometry)
