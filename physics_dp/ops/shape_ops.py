@@ -200,6 +200,28 @@ def _as_shard_tensor(value: torch.Tensor, mesh: Any) -> ShardTensor:
     return ShardTensor(value, ShardTensorSpec(mesh, [Replicate()] * mesh.ndim, value.shape))
 
 
+def _split_alike_off(tensors: Sequence[ShardTensor], dim: int) -> bool:
+    """Whether the inputs are split alike, contiguously, on dims other than ``dim`` (a U-Net's
+    channel concat of its skip connection): the slabs then concatenate as they are."""
+    first = tensors[0]._spec
+    for t in tensors:
+        spec = t._spec
+        if spec.has_partial or spec.strided or spec.stride != contiguous_strides(spec.shape):
+            return False
+        if spec.mesh is not first.mesh or spec.placements != first.placements or spec.axis_sizes != first.axis_sizes:
+            return False
+    return True
+
+
+def _local_cat(tensors: Sequence[ShardTensor], dim: int) -> ShardTensor:
+    """``cat`` of the slabs; the global shape grows along ``dim`` (torch checks the other dims on the slabs)."""
+    first = tensors[0]._spec
+    local = torch.cat([t._local_tensor for t in tensors], dim)
+    shape = list(first.shape)
+    shape[dim] = sum(t.shape[dim] for t in tensors)
+    return ShardTensor(local, ShardTensorSpec(first.mesh, first.placements, shape, first.axis_sizes))
+
+
 def _cat_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
     sharded = [t for t in args[0] if isinstance(t, ShardTensor)]
@@ -207,6 +229,8 @@ def _cat_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     dim %= ndim
     axes = {a for t in sharded for a, p in enumerate(t.placements) if p == Shard(dim)}
     if not axes:
+        if len(sharded) == len(args[0]) and _split_alike_off(sharded, dim):
+            return _local_cat(sharded, dim)
         return propagate_and_run(op, args, kwargs)
     if len(axes) > 1:
         reason = f"the inputs shard the cat dim {dim} over different mesh axes {sorted(axes)}; redistribute them alike"

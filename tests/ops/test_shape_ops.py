@@ -244,6 +244,31 @@ def _cat_moves_only_misplaced_rows() -> None:
     assert set(log.kinds()) == {"p2p"} and log.bytes_sent == rows * 4 * 4, (log.kinds(), log.bytes_sent)
 
 
+def _channel_cat_of_alike_split_inputs_is_local() -> None:
+    """A U-Net's skip concat: inputs split alike on H, joined on C, with DTensor's propagation forbidden."""
+    import physics_dp.ops.shape_ops as shape_ops
+
+    mesh, placements, sizes = sharding("4", "skewed", (2, 3, 11, 5))
+    skip, features = randn((2, 3, 11, 5)), randn((2, 2, 11, 5), 1)
+    original = shape_ops.propagate_and_run
+
+    def refuse(op, args, kwargs):
+        raise AssertionError(f"{op} took DTensor's sharding propagation")
+
+    shape_ops.propagate_and_run = refuse
+    try:
+        assert_sharded_matches(lambda a, b: torch.cat([a, b], 1) * 2, [skip, features], mesh, [placements] * 2,
+                               sharding_sizes=[sizes, sizes])
+        a, b = (distribute_tensor(t, mesh, placements, sizes).requires_grad_(True) for t in (skip, features))
+        with count_communication() as log:
+            joined = torch.cat([a, b], 1)
+            joined.backward(torch.ones_like(joined))
+        assert log.calls == 0, log.kinds()
+        assert joined._spec.axis_sizes == a._spec.axis_sizes and joined.placements == a.placements
+    finally:
+        shape_ops.propagate_and_run = original
+
+
 def _cat_over_two_axes_raises() -> None:
     mesh = get_mesh((2, 2))
     a = distribute_tensor(randn((2, 3, 4, 4)), mesh, [Shard(2), Replicate()])
@@ -257,6 +282,7 @@ def _single_checks() -> None:
     _split_and_cat_send_nothing()
     _unbind_moves_the_axis()
     _cat_moves_only_misplaced_rows()
+    _channel_cat_of_alike_split_inputs_is_local()
 
 
 @pytest.mark.parametrize("check", [_single_checks, _cat_over_two_axes_raises], ids=lambda f: f.__name__)
