@@ -229,6 +229,8 @@ class ShardTensorSpec:
         axis_sizes: Sequence[Sequence[int] | None] | None = None,
     ) -> ShardTensorSpec:
         """A spec for a freshly laid out (contiguous) slab with some fields changed."""
+        if placements is None and shape is None and axis_sizes is None and self.stride == contiguous_strides(self.shape):
+            return self  # specs are immutable: a contiguous one is its own contiguous layout
         return ShardTensorSpec(
             self.mesh,
             self.placements if placements is None else placements,
