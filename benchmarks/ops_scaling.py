@@ -10,7 +10,7 @@ For each op (forward, then backward from a cotangent of ones, at one global size
 - the ratio sharded / slab (overhead), the speedups of N ranks over one process, and the bytes and
   collectives each rank issued per step (physics_dp's counted collectives).
 
-    python benchmarks/ops_scaling.py [--ranks 2] [--repeats 7] [--ops conv,group_norm] [--json out.json]
+    python benchmarks/ops_scaling.py [--ranks 2] [--repeats 25] [--ops conv,group_norm] [--json out.json]
 
 Every process (the single-process baselines and each rank) first keeps freed host memory, as the
 trainer does by default (``physics_dp.distributed.host_memory``): otherwise a freed 16 MiB result
@@ -110,6 +110,9 @@ CASES = [
     ),
 ]
 TARGETS = {"compute": 1.15, "memory": 1.3}
+# untimed steps per case first: the heap grows to the case's peak and the caches settle (with one,
+# the first case of a run measured up to 1.6x its later runs on the 2-core VM)
+WARMUP = 3
 
 
 def _backward(out: torch.Tensor) -> None:
@@ -173,8 +176,9 @@ def _rank_worker(rank: int, world: int, port: int, names: list[str], repeats: in
         def slab_step() -> None:
             _backward(F.scaled_dot_product_attention(slab, keys, keys) if case.slab_attends_to_all else fn(slab))
 
-        sharded_step()
-        slab_step()
+        for _ in range(WARMUP):
+            sharded_step()
+            slab_step()
         sharded_samples, slab_samples = [], []
         for _ in range(repeats):  # interleaved, so background load hits both alike
             for step, samples in ((sharded_step, sharded_samples), (slab_step, slab_samples)):
@@ -213,7 +217,7 @@ def _sharded(cases: list[Case], world: int, repeats: int) -> dict[str, dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=25, help="timed steps per case (median; default 25)")
     parser.add_argument("--ops", default="", help="comma-separated substrings of op names to run (default: all)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
