@@ -95,17 +95,23 @@ def _taken_by_neighbours(geometry: ResampleGeometry) -> tuple[int, int]:
 
 
 def _start_exchange(
-    top: torch.Tensor | None, bottom: torch.Tensor | None, receive: tuple[int, int], like: torch.Tensor, geometry: ResampleGeometry
+    top: torch.Tensor | None,
+    bottom: torch.Tensor | None,
+    receive: tuple[int, int],
+    input_shape: Sequence[int],
+    anchor: torch.Tensor,
+    geometry: ResampleGeometry,
 ) -> collectives.PendingExchange:
-    """Send ``top`` to the previous rank and ``bottom`` to the next; receive ``receive`` rows from each."""
+    """Send ``top`` to the previous rank and ``bottom`` to the next; receive ``receive`` rows of the
+    input's shape from each (``anchor`` gives the dtype and device)."""
     me, dim = geometry.me, geometry.dim
     sends, shapes = {}, {}
     for peer, piece, count in ((me - 1, top, receive[0]), (me + 1, bottom, receive[1])):
         if piece is not None and piece.shape[dim]:
             sends[peer] = piece
         if count:
-            shapes[peer] = _rows(like.shape, dim, count)
-    return collectives.start_exchange(sends, shapes, geometry.group, dtype=like.dtype, device=like.device, anchor=like)
+            shapes[peer] = _rows(input_shape, dim, count)
+    return collectives.start_exchange(sends, shapes, geometry.group, dtype=anchor.dtype, device=anchor.device, anchor=anchor)
 
 
 class _HaloResample(torch.autograd.Function):
@@ -115,7 +121,7 @@ class _HaloResample(torch.autograd.Function):
         extent = local.shape[dim]
         first, last = _taken_by_neighbours(geometry)
         pending = _start_exchange(
-            local.narrow(dim, 0, first), local.narrow(dim, extent - last, last), plan.halo, local, geometry
+            local.narrow(dim, 0, first), local.narrow(dim, extent - last, last), plan.halo, local.shape, local, geometry
         )
         y = _resize(local, geometry)
         received = pending.wait()
@@ -138,17 +144,23 @@ class _HaloResample(torch.autograd.Function):
             return _differentiable_backward(shape, grad, geometry), None
         dim, plan, me = geometry.dim, geometry.mine, geometry.me
         extent, out_extent = shape[dim], grad.shape[dim]
-        grad_input = _resize_backward(grad, shape, geometry)
         (top, bottom), (halo_top, halo_bottom), (inner_top, inner_bottom) = plan.wrong, plan.halo, plan.inner
-        to_prev = to_next = None
-        if top:
-            to_prev = _border_backward(grad.narrow(dim, 0, top), grad_input, geometry, inner_top, halo_top, True)
-        if bottom:
-            to_next = _border_backward(
-                grad.narrow(dim, out_extent - bottom, bottom), grad_input, geometry, inner_bottom, halo_bottom, False
-            )
+        # the borders first (small): their halo rows' gradients travel during the slab's backward
+        top_fix = _border_backward(grad.narrow(dim, 0, top), shape, geometry, inner_top, halo_top, True) if top else None
+        bottom_fix = (
+            _border_backward(grad.narrow(dim, out_extent - bottom, bottom), shape, geometry, inner_bottom, halo_bottom, False)
+            if bottom else None
+        )
         receive = _taken_by_neighbours(geometry)  # the gradients of those rows come back
-        received = _start_exchange(to_prev, to_next, receive, grad_input, geometry).wait()
+        pending = _start_exchange(
+            None if top_fix is None else top_fix[1], None if bottom_fix is None else bottom_fix[1], receive, shape, grad, geometry
+        )
+        grad_input = _resize_backward(grad, shape, geometry)
+        if top_fix is not None:
+            grad_input.narrow(dim, 0, inner_top).add_(top_fix[0])
+        if bottom_fix is not None:
+            grad_input.narrow(dim, extent - inner_bottom, inner_bottom).add_(bottom_fix[0])
+        received = pending.wait()
         if receive[0]:
             grad_input.narrow(dim, 0, receive[0]).add_(received[me - 1])
         if receive[1]:
@@ -157,27 +169,27 @@ class _HaloResample(torch.autograd.Function):
 
 
 def _border_backward(
-    border_grad: torch.Tensor, grad_input: torch.Tensor, geometry: ResampleGeometry, inner: int, halo: int, top: bool
-) -> torch.Tensor:
-    """Correct ``grad_input`` for one border's overwritten rows; return the halo rows' gradient.
+    border_grad: torch.Tensor, input_shape: Sequence[int], geometry: ResampleGeometry, inner: int, halo: int, top: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For one border's overwritten output rows: (the correction of the ``inner`` slab rows'
+    gradient, the gradient of the neighbour's ``halo`` rows).
 
-    The slab's own backward credited the border rows' gradient to the slab alone; that share is
-    taken back (a backward of the ``inner`` slab rows' resize) and the window's share added.
+    The slab's own backward credits the border rows' gradient to the slab alone; the correction
+    takes that share back (a backward of the ``inner`` rows' resize) and adds the window's.
     """
     dim, k = geometry.dim, geometry.factors[geometry.dim - 2]
     count = border_grad.shape[dim]
-    slab_rows = grad_input.narrow(dim, 0 if top else grad_input.shape[dim] - inner, inner)
 
     def spread(rows: int, offset: int) -> torch.Tensor:
         """The backward of a resize of ``rows`` input rows, whose output gradient is the border's at ``offset``."""
         out_grad = border_grad.new_zeros(_rows(border_grad.shape, dim, k * rows))
         out_grad.narrow(dim, offset, count).copy_(border_grad)
-        return _resize_backward(out_grad, _rows(grad_input.shape, dim, rows), geometry)
+        return _resize_backward(out_grad, _rows(input_shape, dim, rows), geometry)
 
     slab_share = spread(inner, 0 if top else k * inner - count)
     window_share = spread(halo + inner, k * halo if top else k * inner - count)
-    slab_rows.sub_(slab_share).add_(window_share.narrow(dim, halo if top else 0, inner))
-    return window_share.narrow(dim, 0 if top else inner, halo).contiguous()
+    correction = window_share.narrow(dim, halo if top else 0, inner) - slab_share
+    return correction, window_share.narrow(dim, 0 if top else inner, halo).contiguous()
 
 
 def _differentiable_backward(shape: torch.Size, grad: torch.Tensor, geometry: ResampleGeometry) -> torch.Tensor:

@@ -230,44 +230,59 @@ def _native_factors(x: ShardTensor, bound: dict[str, Any], out_shape: torch.Size
     return factors
 
 
+def _rank_borders(whole: Taps, alone: Taps, lo: int, size: int, factor: int) -> tuple[int, int] | None:
+    """How many of the rank's first and last outputs its slab alone gets wrong, or None if others are.
+
+    An output comes out right when torch's taps on the slab alone (rows and weights) are its
+    global ones; the wrong ones must be a few at each end.
+    """
+    rows = whole.rows[factor * lo : factor * (lo + size)]
+    same = (rows == alone.rows + lo).all(1)
+    if whole.weights is not None:
+        same &= (whole.weights[factor * lo : factor * (lo + size)] == alone.weights).all(1)
+    if not bool(same.any()):
+        return None
+    top, bottom = int(same.long().argmax()), int(same.flip(0).long().argmax())
+    return (top, bottom) if bool(same[top : same.numel() - bottom].all()) else None
+
+
 @functools.lru_cache(maxsize=256)
 def _border_plans(
     sizes: tuple[int, ...], factor: int, mode: str, dtype: torch.dtype, vectorized: bool
 ) -> tuple[BorderPlan, ...] | None:
     """Every rank's borders when torch's kernel runs on the slabs (see :mod:`.halo_resample`), or None.
 
-    From the taps: a rank's outputs whose global taps equal those of its slab alone (rows and
-    weights) come out right; the others must be a few rows at each end, their taps within the
-    adjacent ranks' slabs.  Anything else (tiny shards) is None: the window path handles it.
+    A border's window holds the neighbour's rows its outputs' taps reach (``halo``) and the slab
+    rows that either its global taps or the slab's own reach (``inner``).  None where a border
+    would need more than the adjacent slab or its own (tiny shards): the window path handles it.
     """
-    extent = sum(sizes)
+    extent, last = sum(sizes), len(sizes) - 1
     whole = dim_taps(extent, factor * extent, mode, False, float(factor), dtype, vectorized)
     plans = []
     for rank, (lo, size) in enumerate(zip(_starts(sizes), sizes)):
-        if size == 0:
+        alone = dim_taps(size, factor * size, mode, False, float(factor), dtype, vectorized) if size else None
+        wrong = None if alone is None else _rank_borders(whole, alone, lo, size, factor)
+        if wrong is None or (wrong[0] and rank == 0) or (wrong[1] and rank == last):
             return None
-        alone = dim_taps(size, factor * size, mode, False, float(factor), dtype, vectorized)
+        top, bottom = wrong
+        outputs = factor * size
         rows, own_rows = whole.rows[factor * lo : factor * (lo + size)], alone.rows + lo
-        same = (rows == own_rows).all(1)
-        if whole.weights is not None:
-            same &= (whole.weights[factor * lo : factor * (lo + size)] == alone.weights).all(1)
-        outputs = same.numel()
-        top = int(same.long().argmax()) if bool(same.any()) else outputs
-        bottom = int(same.flip(0).long().argmax()) if bool(same.any()) else 0
-        if top + bottom > outputs or not bool(same[top : outputs - bottom].all()) or (top and rank == 0) or (
-            bottom and rank == len(sizes) - 1
-        ):
+        halo, inner = [0, 0], [0, 0]
+        if top:
+            halo[0] = lo - int(rows[:top].min())
+            inner[0] = max(int(rows[:top].max()), int(own_rows[:top].max())) + 1 - lo
+        if bottom:
+            halo[1] = int(rows[outputs - bottom :].max()) + 1 - (lo + size)
+            inner[1] = lo + size - min(int(rows[outputs - bottom :].min()), int(own_rows[outputs - bottom :].min()))
+        if max(inner) > size or (top and halo[0] > sizes[rank - 1]) or (bottom and halo[1] > sizes[rank + 1]):
             return None
-        halo = (lo - int(rows[:top].min()) if top else 0, int(rows[outputs - bottom :].max()) + 1 - lo - size if bottom else 0)
-        reach_top = max(int(rows[:top].max()), int(own_rows[:top].max())) - lo + 1 if top else 0
-        reach_bottom = lo + size - min(int(rows[outputs - bottom :].min()), int(own_rows[outputs - bottom :].min())) if bottom else 0
-        if max(reach_top, reach_bottom) > size or (top and halo[0] > sizes[rank - 1]) or (bottom and halo[1] > sizes[rank + 1]):
-            return None
-        plans.append(BorderPlan((top, bottom), halo, (reach_top, reach_bottom)))
+        plans.append(BorderPlan((top, bottom), (halo[0], halo[1]), (inner[0], inner[1])))
     return tuple(plans)
 
 
-def _halo_geometry(x: ShardTensor, splits: Sequence[DimSplit], factors: Sequence[int], mode: str, vectorized: bool) -> ResampleGeometry | None:
+def _halo_geometry(
+    x: ShardTensor, splits: Sequence[DimSplit], factors: Sequence[int], mode: str, vectorized: bool
+) -> ResampleGeometry | None:
     """The slab path's geometry when exactly one resized dim is sharded and its borders allow it."""
     sharded = [split for split in splits if split.axis is not None]
     if len(sharded) != 1:
