@@ -1,4 +1,4 @@
-"""Per-op dispatch overhead of small pointwise ops: plain tensor vs DTensor vs physics_dp ShardTensor.
+"""Per-op dispatch overhead of small ops: plain tensor vs DTensor vs physics_dp ShardTensor.
 
 Why: on small shards a wrapper subclass's Python dispatch costs more than the kernel itself, so
 the per-op overhead (microseconds over a plain tensor) decides whether ShardTensor is usable for
