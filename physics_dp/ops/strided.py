@@ -285,27 +285,24 @@ for _op in _STRUCTURAL:
     ShardTensor.register_strided_handler(_op, _structural)
 
 
-def _structural_or_fallback(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
-    """Transposes of any layout: placements follow their dims, instead of DTensor's propagation
-    (several hundred microseconds per call; attention blocks transpose on every use)."""
-    result = _structural(op, args, kwargs)
-    return propagate_and_run(op, args, kwargs) if result is NotImplemented else result
+def _or_fallback(handler: Callable[[torch._ops.OpOverload, tuple, dict], Any]) -> Callable[[torch._ops.OpOverload, tuple, dict], Any]:
+    """``handler`` for every layout, DTensor's propagation where it declines."""
+
+    def handle(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+        result = handler(op, args, kwargs)
+        return propagate_and_run(op, args, kwargs) if result is NotImplemented else result
+
+    return handle
 
 
+# Transposes (attention blocks transpose on every use): placements follow their dims, where
+# DTensor's propagation costs several hundred microseconds per call.  Copies, casts and ``*_like``
+# factories (every backward starts from a ``ones_like``): the input's layout, where it cost ~50 us.
 for _op in (aten.permute.default, aten.transpose.int):
-    ShardTensor.register_dispatch_handler(_op, _structural_or_fallback)
-
-
-def _same_layout_or_fallback(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
-    """Copies, casts and ``*_like`` factories of any layout keep it, instead of DTensor's
-    propagation (about 100 microseconds per call; every backward starts from a ``ones_like``)."""
-    result = _same_layout(op, args, kwargs)
-    return propagate_and_run(op, args, kwargs) if result is NotImplemented else result
-
-
+    ShardTensor.register_dispatch_handler(_op, _or_fallback(_structural))
 for _op in _SAME_LAYOUT:
     ShardTensor.register_strided_handler(_op, _same_layout)
-    ShardTensor.register_dispatch_handler(_op, _same_layout_or_fallback)
+    ShardTensor.register_dispatch_handler(_op, _or_fallback(_same_layout))
 ShardTensor.register_strided_handler(aten.stack.default, _stack)
 for _op in (aten.sum.default, aten.sum.dim_IntList, aten.mean.dim):
     ShardTensor.register_strided_handler(_op, _reduction)

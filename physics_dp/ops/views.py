@@ -147,24 +147,32 @@ def plan_view(spec: ShardTensorSpec, out_shape: Sequence[int]) -> tuple[ShardTen
     return needed, out
 
 
-# (input spec, output shape) -> (the input spec the view needs, the output spec); specs are
-# immutable, and planning a view costs more than the view itself (a training step takes hundreds)
-_VIEW_PLANS: dict[tuple[ShardTensorSpec, tuple[int, ...]], tuple[ShardTensorSpec, ShardTensorSpec]] = {}
+# A view's plan depends on the input's layout and the output shape only.  The cache holds no
+# mesh: a mesh holds its process groups, and a module-level reference would keep destroyed groups
+# alive until interpreter exit.
+# (placements, shape, axis sizes, stride, mesh shape, output shape) -> (the re-split the view
+# needs or None, the output's placements, shape, axis sizes and stride)
+_VIEW_PLANS: dict[tuple, tuple[tuple | None, tuple]] = {}
 _VIEW_PLAN_LIMIT = 4096
 
 
 def _view_plan(spec: ShardTensorSpec, out_shape: Sequence[int]) -> tuple[ShardTensorSpec, ShardTensorSpec]:
-    key = (spec, tuple(out_shape))
+    """(the input spec the view needs, the output spec), planned once per layout and shape."""
+    key = (spec.placements, spec.shape, spec.axis_sizes, spec.stride, tuple(spec.mesh.shape), tuple(out_shape))
     plan = _VIEW_PLANS.get(key)
     if plan is None:
         needed, out = plan_view(spec, out_shape)
         stride = spec.stride if needed == spec else contiguous_strides(spec.shape)
         out_stride = torch.empty_strided(spec.shape, stride, device="meta").view(out_shape).stride()
         out_spec = ShardTensorSpec(spec.mesh, [p for p, _ in out], out_shape, [s for _, s in out], out_stride)
+        fields = (out_spec.placements, out_spec.shape, out_spec.axis_sizes, out_spec.stride)
         if len(_VIEW_PLANS) >= _VIEW_PLAN_LIMIT:
             _VIEW_PLANS.clear()
-        plan = _VIEW_PLANS[key] = (needed, out_spec)
-    return plan
+        _VIEW_PLANS[key] = (None if needed == spec else (needed.placements, needed.axis_sizes), fields)
+        return needed, out_spec
+    resplit, fields = plan
+    needed = spec if resplit is None else ShardTensorSpec(spec.mesh, resplit[0], spec.shape, resplit[1], spec.stride)
+    return needed, ShardTensorSpec.from_checked(spec.mesh, *fields)
 
 
 def _view_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> ShardTensor:

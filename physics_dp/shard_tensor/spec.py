@@ -102,12 +102,32 @@ class ShardTensorSpec:
             else:
                 sizes.append(None)
         self.axis_sizes: tuple[tuple[int, ...] | None, ...] = tuple(sizes)
+        self._derive()
+
+    def _derive(self) -> None:
+        """The fields that follow from the mesh and the placements."""
         self.has_partial = any(p.is_partial() for p in self.placements)
         # every slab holds the global value: ops need no communication (see local_only.py)
-        self.local_only = all(type(p) is Replicate or mesh.size(a) == 1 for a, p in enumerate(self.placements))
+        self.local_only = all(type(p) is Replicate or self.mesh.size(a) == 1 for a, p in enumerate(self.placements))
         self.strided = any(type(p) is StridedShard for p in self.placements)
         self._local_shape: torch.Size | None = None
         self._hash: int | None = None
+
+    @classmethod
+    def from_checked(
+        cls,
+        mesh: DeviceMesh,
+        placements: tuple[Placement, ...],
+        shape: torch.Size,
+        axis_sizes: tuple[tuple[int, ...] | None, ...],
+        stride: tuple[int, ...],
+    ) -> ShardTensorSpec:
+        """A spec from fields that a spec built on a mesh of this shape already checked (a cached
+        plan's output): ``__init__``'s normalization and checks cost more than a small op."""
+        spec = cls.__new__(cls)
+        spec.mesh, spec.placements, spec.shape, spec.axis_sizes, spec.stride = mesh, placements, shape, axis_sizes, stride
+        spec._derive()
+        return spec
 
     def _strided_sizes(self, axis: int, placement: StridedShard, given: Sequence[int] | None) -> tuple[int, ...]:
         if math.prod(placement.factors) != self.shape[placement.dim]:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from physics_dp.distributed.collectives import count_communication
+from physics_dp.ops import views
 from physics_dp.ops.views import view_groups
-from physics_dp.shard_tensor import Replicate, Shard, distribute_tensor
+from physics_dp.shard_tensor import Replicate, Shard, ShardTensorSpec, distribute_tensor
 from physics_dp.testing import get_mesh, run_on_ranks
 from physics_dp.testing.compare import assert_sharded_matches
 
@@ -102,12 +104,25 @@ def _views_of_equal_shapes_with_different_splits():
         flat = x.view(2, 3, 35)
         torch.testing.assert_close(flat.full_tensor(), full.view(2, 3, 35))
         results.append(flat._spec.axis_sizes[0])
-    return results
+    return results, _holds_a_mesh(views._VIEW_PLANS)
+
+
+def _holds_a_mesh(value) -> bool:
+    """Whether ``value`` (nested tuples and dicts) references a mesh or a spec, which holds one."""
+    if isinstance(value, (DeviceMesh, ShardTensorSpec)):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_a_mesh(k) or _holds_a_mesh(v) for k, v in value.items())
+    if isinstance(value, (tuple, list)):
+        return any(_holds_a_mesh(v) for v in value)
+    return False
 
 
 def test_a_view_follows_the_split_of_each_input():
-    for sizes in run_on_ranks(2, _views_of_equal_shapes_with_different_splits):
+    # and the plan cache holds no mesh: a mesh holds its process groups, which must die with it
+    for sizes, holds_a_mesh in run_on_ranks(2, _views_of_equal_shapes_with_different_splits):
         assert sizes == [(10, 25), (25, 10), (10, 25)]
+        assert not holds_a_mesh
 
 
 def test_view_groups():
