@@ -20,7 +20,9 @@ from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
 
-__all__ = ["local_moments", "exact_local_moments", "merge_moments", "global_moments", "normalized_rows", "LOW_PRECISION"]
+__all__ = [
+    "local_moments", "exact_local_moments", "merge_moments", "merge_over", "global_moments", "normalized_rows", "LOW_PRECISION",
+]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -103,6 +105,15 @@ def merge_moments(
     return total, merged_mean.view_as(mean), merged_m2.view_as(m2)
 
 
+def merge_over(
+    count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, groups: Sequence[ProcessGroup]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`merge_moments` along each group in turn: the moments of the slabs of every rank."""
+    for group in groups:
+        count, mean, m2 = merge_moments(count, mean, m2, group)
+    return count, mean, m2
+
+
 def global_moments(
     x: torch.Tensor, dims: Sequence[int], groups: Sequence[ProcessGroup], *, exact: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -112,7 +123,4 @@ def global_moments(
     all-gather of ``1 + 2 * stats`` values per group (a single one for the whole job).
     """
     count, mean, m2 = (exact_local_moments if exact else local_moments)(x, dims)
-    total = torch.tensor(float(count), dtype=torch.float64, device=x.device)
-    for group in groups:
-        total, mean, m2 = merge_moments(total, mean, m2, group)
-    return total, mean, m2
+    return merge_over(torch.tensor(float(count), dtype=torch.float64, device=x.device), mean, m2, groups)

@@ -34,7 +34,7 @@ from ..shard_tensor import Replicate, ShardTensor
 from ..shard_tensor.dispatch import run_default
 from ._local import ShardedOpError, data_axes, groups_spanning, local_input, local_param, sharded_axes, wrap_local
 from .grad_sums import SumGradOverGroups, creating_graph, sum_shares
-from .moments import LOW_PRECISION, global_moments, merge_moments, normalized_rows
+from .moments import LOW_PRECISION, global_moments, merge_over, normalized_rows
 
 __all__: list[str] = []
 
@@ -163,9 +163,7 @@ class _ChannelNorm(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         channels = x3.shape[1]
         count, mean, m2, local = layout.local_moments(x3)
-        total = torch.tensor(float(count), dtype=torch.float64, device=x3.device)
-        for group in groups:
-            total, mean, m2 = merge_moments(total, mean, m2, group)
+        total, mean, m2 = merge_over(torch.tensor(float(count), dtype=torch.float64, device=x3.device), mean, m2, groups)
         total = total.clamp(min=1)
         var = m2 / total
         rstd = torch.rsqrt(var + eps)
@@ -244,8 +242,9 @@ def _channel_norm(
 class _NormalizeGlobally(torch.autograd.Function):
     """xhat = (x - mean) / sqrt(var + eps), with mean and var over the trailing ``dims`` of the global tensor.
 
-    The slab is viewed as rows (leading index) x the normalized values, so the normalization and
-    its closed-form backward are fused per-row passes (:func:`_scale_shift`).  Low-precision
+    The slab is viewed as rows (leading index) x the normalized values, so the normalization
+    rescales the moments kernel's own output (:func:`_rescaled`) and the closed-form backward is
+    fused per-row passes (:func:`_scale_shift`).  Low-precision
     slabs are normalized in fp32 (the output's dtype); the slab itself is kept, uncast, for a
     double backward (a reference, as torch's layer norm keeps its input).
     """
@@ -255,11 +254,21 @@ class _NormalizeGlobally(torch.autograd.Function):
         ctx, slab: torch.Tensor, dims: tuple[int, ...], groups: tuple[ProcessGroup, ...], eps: float
     ) -> torch.Tensor:
         x = slab.float() if slab.dtype in LOW_PRECISION else slab
-        count, mean, m2 = global_moments(x, dims, groups)
+        length = math.prod(x.shape[d] for d in dims)
+        local = None
+        if x.numel():  # dims are the trailing ones: each leading index is a row
+            normalized, row_mean, row_rstd = normalized_rows(x.reshape(-1, length))
+            local = _LocalRows(normalized.view(1, -1, length), row_mean.view(1, -1), row_rstd.view(1, -1))
+            count = torch.tensor(float(length), dtype=torch.float64, device=x.device)
+            count, mean, m2 = merge_over(count, row_mean, row_rstd.pow(-2) * length, groups)
+        else:
+            count, mean, m2 = global_moments(x, dims, groups)
         count = count.clamp(min=1)
         rstd = torch.rsqrt(m2 / count + eps).reshape(1, -1)
-        ctx.row_shape = (1, rstd.shape[1], math.prod(x.shape[d] for d in dims))
-        xhat = _scale_shift(x.reshape(ctx.row_shape), rstd, -mean.reshape(1, -1) * rstd).view(x.shape)
+        ctx.row_shape = (1, rstd.shape[1], length)
+        shift = -mean.reshape(1, -1) * rstd
+        xhat = None if local is None else _rescaled(local, rstd, shift)
+        xhat = (_scale_shift(x.reshape(ctx.row_shape), rstd, shift) if xhat is None else xhat).view(x.shape)
         ctx.save_for_backward(xhat, rstd, count, slab)
         ctx.groups, ctx.dims, ctx.eps = groups, dims, eps
         return xhat

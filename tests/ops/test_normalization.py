@@ -319,6 +319,7 @@ def _constant_slab_combos() -> dict[str, Callable[[], None]]:
             ("GroupNorm", nn.GroupNorm(2, 4)),
             ("BatchNorm2d", nn.BatchNorm2d(4)),
             ("InstanceNorm2d", nn.InstanceNorm2d(4, affine=True)),
+            ("LayerNorm", nn.LayerNorm(list(shape[1:]))),
         ):
             combos[f"{name} on a {label}"] = lambda m=module, x=x: _check_module(m, x, mesh, placements, None)
     return combos
