@@ -7,8 +7,9 @@ statistics must span every rank along that axis:
   along each such axis all-gather these triples and merge them in float64 (:mod:`.moments`): one
   all-gather per axis (a single one over the job when the axes are the whole mesh) of
   ``1 + 2 * stats`` values, where ``stats`` is the number of statistics (e.g. N * groups), never
-  the grid size.  Group, batch and instance norm then apply y = x * a + b in one fused pass, with
-  a and b folded from the statistics and the affine parameters.
+  the grid size.  The kernel also wrote the slab normalized by its own rows' statistics; y = x * a
+  + b (a and b folded from the global statistics and the affine parameters) is that output
+  rescaled in place, which reads memory just written instead of x again.
 - Backward: with g = dL/dxhat, dx = rstd * (g - mean(g) - xhat * mean(g * xhat)).  The sums of dy
   and dy * xhat per (sample, channel) come from one fused pass (torch's batch-norm backward
   reduction) and are all-reduced in one message.  For the channel norms they give dx as
