@@ -80,6 +80,8 @@ OPS: dict[str, tuple[Callable[..., torch.Tensor], int]] = {
     # reshapes at module boundaries (attention heads, flattening for linear layers)
     "view": (lambda t: t.view(t.shape[0], 2, -1), 1),
 }
+# factories: their output starts no graph, whatever the regime
+FACTORIES = frozenset({"ones_like"})
 SIZES: tuple[int, ...] = (8, 64)
 REGIMES: tuple[str, ...] = ("no_autograd", "autograd")
 IMPLS: tuple[str, ...] = ("plain", "dtensor", "shardtensor")
