@@ -1,8 +1,9 @@
 """Global moments (count, mean, M2) of sharded data: fused local kernels, a float64 merge of the few.
 
 Normalization takes its local statistics from torch's fused row-moments kernel (the one inside
-``native_group_norm``: one pass in the input's dtype, what torch's own normalization computes),
-because ``torch.var`` on CPU is an order of magnitude slower on one thread.  The var/std
+``native_group_norm``: one pass in the input's dtype, what torch's own normalization computes, and
+it writes the rows normalized locally, which the normalization rescales in place), because
+``torch.var`` on CPU is an order of magnitude slower on one thread.  The var/std
 reductions must equal ``torch.var`` itself, so they use the slower exact path (a float64 sum for
 the mean, then ``torch.var``).  Only the per-statistic results, whose number is that of the
 statistics (e.g. N * groups) and never the grid size, are merged across ranks in float64 with
@@ -20,9 +21,7 @@ from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
 
-__all__ = [
-    "local_moments", "exact_local_moments", "merge_moments", "merge_over", "global_moments", "normalized_rows", "LOW_PRECISION",
-]
+__all__ = ["exact_local_moments", "merge_moments", "merge_over", "global_moments", "normalized_rows", "LOW_PRECISION"]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -37,40 +36,6 @@ def normalized_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     p, q = rows.shape
     normalized, mean, rstd = torch.ops.aten.native_group_norm(rows.reshape(1, p, q), None, None, 1, p, q, p, 0.0)
     return normalized.view(p, q), mean.double().reshape(p), rstd.double().reshape(p)
-
-
-def _row_moments(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 (mean, M2) of each row of a (P, Q) tensor with Q > 0."""
-    _, mean, rstd = normalized_rows(rows)
-    return mean, rstd.pow(-2) * rows.shape[1]
-
-
-def local_moments(x: torch.Tensor, dims: Sequence[int]) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(count, mean, M2) of ``x`` over ``dims``, mean and M2 in float64 with those dims kept as 1."""
-    dims = tuple(sorted(d % x.ndim for d in dims))
-    count = math.prod(x.shape[d] for d in dims)
-    kept = [1 if d in dims else s for d, s in enumerate(x.shape)]
-    if x.numel() == 0:
-        zeros = torch.zeros(kept, dtype=torch.float64, device=x.device)
-        return count, zeros, zeros.clone()
-    if x.dtype in LOW_PRECISION:
-        x = x.float()  # the fused kernel would round its statistics to the input dtype
-    first = x.ndim - len(dims)
-    if dims == tuple(range(first, x.ndim)):  # trailing dims: rows are already contiguous runs
-        mean, m2 = _row_moments(x.reshape(-1, count))
-        return count, mean.view(kept), m2.view(kept)
-    if x.ndim >= 2 and dims == (0, *range(2, x.ndim)):  # batch-norm layout: per (n, c), then over n
-        n, c = x.shape[:2]
-        mean_nc, m2_nc = _row_moments(x.reshape(n * c, -1))
-        mean_nc, m2_nc = mean_nc.view(n, c), m2_nc.view(n, c)
-        mean = mean_nc.mean(0)
-        m2 = m2_nc.sum(0) + (count // n) * (mean_nc - mean).square().sum(0)
-        return count, mean.view(kept), m2.view(kept)
-    moved = x.movedim(dims, tuple(range(first, x.ndim)))
-    mean, m2 = _row_moments(moved.reshape(-1, count))
-    shape_moved = [moved.shape[d] for d in range(first)] + [1] * len(dims)
-    back = tuple(range(first, x.ndim))
-    return count, mean.view(shape_moved).movedim(back, dims), m2.view(shape_moved).movedim(back, dims)
 
 
 def exact_local_moments(x: torch.Tensor, dims: Sequence[int]) -> tuple[int, torch.Tensor, torch.Tensor]:
@@ -115,12 +80,12 @@ def merge_over(
 
 
 def global_moments(
-    x: torch.Tensor, dims: Sequence[int], groups: Sequence[ProcessGroup], *, exact: bool = False
+    x: torch.Tensor, dims: Sequence[int], groups: Sequence[ProcessGroup]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Global (count, mean, M2) in float64 over ``dims`` of the slabs ``x``, merged along each group in turn.
+    """Global (count, mean, M2) in float64 over ``dims`` of the slabs ``x``, as ``torch.var`` computes
+    them (for the var/std reductions), merged along each group in turn.
 
-    ``exact`` computes the local moments as ``torch.var`` does (for the var/std reductions).  One
-    all-gather of ``1 + 2 * stats`` values per group (a single one for the whole job).
+    One all-gather of ``1 + 2 * stats`` values per group (a single one for the whole job).
     """
-    count, mean, m2 = (exact_local_moments if exact else local_moments)(x, dims)
+    count, mean, m2 = exact_local_moments(x, dims)
     return merge_over(torch.tensor(float(count), dtype=torch.float64, device=x.device), mean, m2, groups)

@@ -35,7 +35,7 @@ from ..shard_tensor import Replicate, ShardTensor
 from ..shard_tensor.dispatch import run_default
 from ._local import ShardedOpError, data_axes, groups_spanning, local_input, local_param, sharded_axes, wrap_local
 from .grad_sums import SumGradOverGroups, creating_graph, sum_shares
-from .moments import LOW_PRECISION, global_moments, merge_over, normalized_rows
+from .moments import LOW_PRECISION, merge_over, normalized_rows
 
 __all__: list[str] = []
 
@@ -147,9 +147,10 @@ class _ChannelNorm(torch.autograd.Function):
     """Group, batch or instance norm with statistics over the global grid, affine included.
 
     Forward: fused local moments, one all-gather of the merged float64 statistics per group, then
-    y = x * a + b in one pass.  Backward: the per-(sample, channel) sums of dy and dy * xhat (one fused
-    pass), all-reduced in one message, give dx = alpha * dy + beta * x + gamma and the weight and bias gradients in
-    closed form (already summed over the ranks that share the statistics).
+    y = x * a + b from the moments kernel's own output, in place (:func:`_rescaled`).  Backward:
+    the per-(sample, channel) sums of dy and dy * xhat (one fused pass), all-reduced in one
+    message, give dx = alpha * dy + beta * x + gamma and the weight and bias gradients in closed
+    form (already summed over the ranks that share the statistics).
     """
 
     @staticmethod
@@ -255,15 +256,18 @@ class _NormalizeGlobally(torch.autograd.Function):
         ctx, slab: torch.Tensor, dims: tuple[int, ...], groups: tuple[ProcessGroup, ...], eps: float
     ) -> torch.Tensor:
         x = slab.float() if slab.dtype in LOW_PRECISION else slab
-        length = math.prod(x.shape[d] for d in dims)
+        length = math.prod(x.shape[d] for d in dims)  # dims are the trailing ones
+        leading = math.prod(x.shape[: x.ndim - len(dims)])  # each leading index is a row
         local = None
-        if x.numel():  # dims are the trailing ones: each leading index is a row
-            normalized, row_mean, row_rstd = normalized_rows(x.reshape(-1, length))
-            local = _LocalRows(normalized.view(1, -1, length), row_mean.view(1, -1), row_rstd.view(1, -1))
-            count = torch.tensor(float(length), dtype=torch.float64, device=x.device)
-            count, mean, m2 = merge_over(count, row_mean, row_rstd.pow(-2) * length, groups)
-        else:
-            count, mean, m2 = global_moments(x, dims, groups)
+        if x.numel():
+            normalized, mean, row_rstd = normalized_rows(x.reshape(leading, length))
+            local = _LocalRows(normalized.view(1, leading, length), mean.view(1, -1), row_rstd.view(1, -1))
+            m2 = row_rstd.pow(-2) * length
+        else:  # an empty slab: zero moments that weigh nothing in the merge
+            mean = torch.zeros(leading, dtype=torch.float64, device=x.device)
+            m2 = mean.clone()
+        count = torch.tensor(float(length), dtype=torch.float64, device=x.device)
+        count, mean, m2 = merge_over(count, mean, m2, groups)
         count = count.clamp(min=1)
         rstd = torch.rsqrt(m2 / count + eps).reshape(1, -1)
         ctx.row_shape = (1, rstd.shape[1], length)
