@@ -41,6 +41,7 @@ __all__ = [
     "gather_window",
     "halo_exchange",
     "halo_exchange_nd",
+    "with_extent",
 ]
 
 EDGE_MODES = ("constant", "reflect", "replicate", "circular")
@@ -217,7 +218,8 @@ def _add_rows(target: torch.Tensor, dim: int, rows: Sequence[int], values: torch
         target.index_add_(dim, torch.tensor(rows, device=target.device), values)
 
 
-def _with_extent(shape: Sequence[int], dim: int, extent: int) -> list[int]:
+def with_extent(shape: Sequence[int], dim: int, extent: int) -> list[int]:
+    """``shape`` with dim ``dim`` of extent ``extent`` (a halo's, a strip's, a message's shape)."""
     shape = list(shape)
     shape[dim] = extent
     return shape
@@ -240,7 +242,7 @@ def _segment_rows(piece: torch.Tensor, dim: int, segment: Segment) -> torch.Tens
         return piece.narrow(dim, segment.start, segment.length)
     if segment.step == -1:
         return piece.narrow(dim, segment.last, segment.length).flip(dim)
-    return piece.narrow(dim, segment.start, 1).expand(_with_extent(piece.shape, dim, segment.length))
+    return piece.narrow(dim, segment.start, 1).expand(with_extent(piece.shape, dim, segment.length))
 
 
 def _accumulate_segment(grad_piece: torch.Tensor, dim: int, segment: Segment, grad: torch.Tensor) -> None:
@@ -275,13 +277,13 @@ class _GatherWindow(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.plan, ctx.dim, ctx.group, ctx.local_shape = plan, dim, group, local.shape
         sends = {peer: _rows(local, dim, rows) for peer, rows in plan.sends}
-        recv_shapes = {peer: _with_extent(local.shape, dim, count) for peer, count in plan.receives}
+        recv_shapes = {peer: with_extent(local.shape, dim, count) for peer, count in plan.receives}
         pieces = _exchange(sends, recv_shapes, group, local)
         pieces[plan.me] = local
         if any(s.source == CONSTANT for s in plan.segments):
-            pieces[CONSTANT] = local.new_full(_with_extent(local.shape, dim, 1), value)
+            pieces[CONSTANT] = local.new_full(with_extent(local.shape, dim, 1), value)
         if not plan.segments:
-            return local.new_empty(_with_extent(local.shape, dim, 0))
+            return local.new_empty(with_extent(local.shape, dim, 0))
         if _is_whole_slab(plan.segments, plan.me, local.shape[dim]):
             return local.view_as(local)  # the window is the slab: no copy
         return torch.cat([_segment_rows(pieces[s.source], dim, s) for s in plan.segments], dim)
@@ -307,7 +309,7 @@ def _scatter_window(
         mine = sum(1 for segment in plan.segments if segment.source == plan.me)
         if plan.sends or mine > 1:  # rows will be added to it: a copy of our own
             grad_local = grad_local.clone(memory_format=torch.contiguous_format)
-    grad_pieces = {peer: grad.new_zeros(_with_extent(grad.shape, dim, count)) for peer, count in plan.receives}
+    grad_pieces = {peer: grad.new_zeros(with_extent(grad.shape, dim, count)) for peer, count in plan.receives}
     grad_pieces[plan.me] = grad_local
     position = 0
     for segment in plan.segments:
@@ -316,7 +318,7 @@ def _scatter_window(
             _accumulate_segment(grad_pieces[segment.source], dim, segment, piece_grad)
         position += segment.length
     sends = {peer: grad_pieces[peer] for peer, _ in plan.receives}
-    recv_shapes = {peer: _with_extent(grad.shape, dim, len(rows)) for peer, rows in plan.sends}
+    recv_shapes = {peer: with_extent(grad.shape, dim, len(rows)) for peer, rows in plan.sends}
     returned = _exchange(sends, recv_shapes, group, grad)
     for peer, rows in plan.sends:
         _add_rows(grad_local, dim, rows, returned[peer])

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
-from .halo import gather_window, uniform_windows
+from .halo import gather_window, uniform_windows, with_extent
 from .grad_sums import creating_graph
 
 __all__ = ["HaloConvGeometry", "halo_conv"]
@@ -59,12 +59,6 @@ class HaloConvGeometry:
         return tuple(padding)
 
 
-def _with_rows(shape: Sequence[int], dim: int, rows: int) -> list[int]:
-    shape = list(shape)
-    shape[dim] = rows
-    return shape
-
-
 def _exchange_rows(local: torch.Tensor, geometry: HaloConvGeometry) -> collectives.PendingExchange:
     """Start sending the first ``r`` rows to the previous rank and the last ``r`` to the next, and receiving theirs.
 
@@ -75,10 +69,10 @@ def _exchange_rows(local: torch.Tensor, geometry: HaloConvGeometry) -> collectiv
     sends, recv_shapes = {}, {}
     if geometry.has_prev:
         sends[me - 1] = local.narrow(dim, 0, r)
-        recv_shapes[me - 1] = _with_rows(local.shape, dim, r)
+        recv_shapes[me - 1] = with_extent(local.shape, dim, r)
     if geometry.has_next:
         sends[me + 1] = local.narrow(dim, extent - r, r)
-        recv_shapes[me + 1] = _with_rows(local.shape, dim, r)
+        recv_shapes[me + 1] = with_extent(local.shape, dim, r)
     return collectives.start_exchange(
         sends, recv_shapes, geometry.group, dtype=local.dtype, device=local.device, anchor=local
     )
@@ -93,7 +87,7 @@ def _received(pending: collectives.PendingExchange, geometry: HaloConvGeometry) 
 
 def _strip(halo: torch.Tensor, geometry: HaloConvGeometry, before: bool) -> torch.Tensor:
     """The ``3r`` rows around a boundary with only the halo's values: halo then zeros, or zeros then halo."""
-    zeros = halo.new_zeros(_with_rows(halo.shape, geometry.dim, 2 * geometry.reach))
+    zeros = halo.new_zeros(with_extent(halo.shape, geometry.dim, 2 * geometry.reach))
     return torch.cat([halo, zeros] if before else [zeros, halo], geometry.dim)
 
 
@@ -166,7 +160,7 @@ class _HaloConv(torch.autograd.Function):
             prev_grad, next_grad = _received(pending, geometry)
             neighbour_grads = [g for g in (prev_grad, next_grad) if g is not None]
             batch = _batched(neighbour_grads)
-            strip_shape = [batch.shape[0], *_with_rows(local.shape, dim, 3 * r)[1:]]
+            strip_shape = [batch.shape[0], *with_extent(local.shape, dim, 3 * r)[1:]]
             strip_input = _conv_backward(batch, local.new_empty(strip_shape), weight, geometry, [True, False, False])[0]
             for i, (start, before) in enumerate(ctx.boundaries):
                 ours = strip_input.narrow(0, i * n, n).narrow(dim, 2 * r if before else 0, r)

@@ -25,7 +25,8 @@ from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
 from .grad_sums import creating_graph
-from .halo import gather_window
+from .halo import gather_window, with_extent
+from .indexing import offsets
 
 __all__ = ["BorderPlan", "ResampleGeometry", "halo_resample"]
 
@@ -80,12 +81,6 @@ def _resize_backward(grad: torch.Tensor, input_shape: Sequence[int], geometry: R
     return getattr(aten, name)(grad, out_size, in_size, False, *scales)
 
 
-def _rows(shape: Sequence[int], dim: int, count: int) -> list[int]:
-    shape = list(shape)
-    shape[dim] = count
-    return shape
-
-
 def _taken_by_neighbours(geometry: ResampleGeometry) -> tuple[int, int]:
     """How many of this rank's first and last rows the previous and next rank's border windows read."""
     me, borders = geometry.me, geometry.borders
@@ -110,7 +105,7 @@ def _start_exchange(
         if piece is not None and piece.shape[dim]:
             sends[peer] = piece
         if count:
-            shapes[peer] = _rows(input_shape, dim, count)
+            shapes[peer] = with_extent(input_shape, dim, count)
     return collectives.start_exchange(sends, shapes, geometry.group, dtype=anchor.dtype, device=anchor.device, anchor=anchor)
 
 
@@ -182,9 +177,9 @@ def _border_backward(
 
     def spread(rows: int, offset: int) -> torch.Tensor:
         """The backward of a resize of ``rows`` input rows, whose output gradient is the border's at ``offset``."""
-        out_grad = border_grad.new_zeros(_rows(border_grad.shape, dim, k * rows))
+        out_grad = border_grad.new_zeros(with_extent(border_grad.shape, dim, k * rows))
         out_grad.narrow(dim, offset, count).copy_(border_grad)
-        return _resize_backward(out_grad, _rows(input_shape, dim, rows), geometry)
+        return _resize_backward(out_grad, with_extent(input_shape, dim, rows), geometry)
 
     slab_share = spread(inner, 0 if top else k * inner - count)
     window_share = spread(halo + inner, k * halo if top else k * inner - count)
@@ -198,9 +193,9 @@ def _differentiable_backward(shape: torch.Size, grad: torch.Tensor, geometry: Re
     A resize is linear, so its backward does not depend on the input's values: any slab will do.
     """
     dim, k = geometry.dim, geometry.factors[geometry.dim - 2]
-    starts = [sum(geometry.sizes[:r]) for r in range(len(geometry.sizes))]
     windows = [
-        (start - plan.halo[0], start + size + plan.halo[1]) for start, size, plan in zip(starts, geometry.sizes, geometry.borders)
+        (start - plan.halo[0], start + size + plan.halo[1])
+        for start, size, plan in zip(offsets(geometry.sizes), geometry.sizes, geometry.borders)
     ]
     with torch.enable_grad():
         source = grad.new_zeros(shape).requires_grad_(True)

@@ -36,6 +36,7 @@ from ..shard_tensor.conversions import distribute_tensor, from_local_with_spec, 
 from ..shard_tensor.dispatch import run_default
 from ..shard_tensor.fallback import propagate_and_run
 from ._local import ShardedOpError
+from .halo import with_extent
 
 aten = torch.ops.aten
 
@@ -372,7 +373,7 @@ class _IndexSelectExchange(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.dim, ctx.plan, ctx.group, ctx.shape = dim, plan, group, local.shape
         sends = [local.index_select(dim, rows) for rows in plan.send_rows]
-        shapes = [_with_rows(local.shape, dim, n) for n in plan.recv_counts]
+        shapes = [with_extent(local.shape, dim, n) for n in plan.recv_counts]
         received = collectives.all_to_all_chunks(sends, shapes, group)
         return torch.cat(received, dim).index_select(dim, plan.inverse)
 
@@ -381,19 +382,13 @@ class _IndexSelectExchange(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         dim, plan = ctx.dim, ctx.plan
         unique_rows = sum(plan.recv_counts)
-        summed = grad.new_zeros(_with_rows(grad.shape, dim, unique_rows)).index_add_(dim, plan.inverse, grad)
+        summed = grad.new_zeros(with_extent(grad.shape, dim, unique_rows)).index_add_(dim, plan.inverse, grad)
         sends = list(summed.split(list(plan.recv_counts), dim))
-        shapes = [_with_rows(ctx.shape, dim, len(rows)) for rows in plan.send_rows]
+        shapes = [with_extent(ctx.shape, dim, len(rows)) for rows in plan.send_rows]
         received = collectives.all_to_all_chunks(sends, shapes, ctx.group)
         local_grad = grad.new_zeros(ctx.shape)
         local_grad.index_add_(dim, torch.cat(plan.send_rows), torch.cat(received, dim))
         return local_grad, None, None, None
-
-
-def _with_rows(shape: Sequence[int], dim: int, rows: int) -> list[int]:
-    shape = list(shape)
-    shape[dim] = rows
-    return shape
 
 
 def _replicated_plain(value: Any) -> torch.Tensor | None:
@@ -415,7 +410,7 @@ def sharded_index_select(tensor: ShardTensor, dim: int, index: torch.Tensor) -> 
     extent = spec.shape[dim]
     if index.numel() and (int(index.min()) < 0 or int(index.max()) >= extent):
         raise IndexError(f"index_select(): index out of range for dim {dim} of size {extent}")
-    shape = _with_rows(spec.shape, dim, index.numel())
+    shape = with_extent(spec.shape, dim, index.numel())
     if axis is None:
         local = to_local(tensor).index_select(dim, index)
         return from_local_with_spec(local, ShardTensorSpec(spec.mesh, spec.placements, shape, spec.axis_sizes))

@@ -27,6 +27,7 @@ from ._args import bind
 from ._local import ShardedOpError, local_input, sharded_axes, wrap_local
 from .conv import check_stencil_layout, window_inside
 from .halo_resample import BorderPlan, ResampleGeometry, halo_resample
+from .indexing import offsets
 from .pooling import DimSplit, dim_split, gather_inside, output_axis_sizes, run_planewise
 
 __all__ = ["Taps", "dim_taps", "resample", "uses_vectorized_nearest"]
@@ -143,14 +144,10 @@ def dim_taps(
 
 
 # ----- splits and local resampling ------------------------------------------------------------
-def _starts(sizes: Sequence[int]) -> list[int]:
-    return [sum(sizes[:i]) for i in range(len(sizes))]
-
-
 def _split(taps: Taps, dim: int, axis: int | None, sizes: tuple[int, ...], me: int, factor: int | None = None) -> DimSplit:
     """Outputs go to the owner of their source row, or ``factor`` per input row (torch's kernel on
     the slab: see :mod:`.halo_resample`); each rank's window spans its outputs' taps."""
-    starts = _starts(sizes)
+    starts = offsets(sizes)
     out = taps.source.numel()
     if factor is not None:
         cuts = [factor * start for start in starts] + [out]
@@ -259,9 +256,11 @@ def _border_plans(
     extent, last = sum(sizes), len(sizes) - 1
     whole = dim_taps(extent, factor * extent, mode, False, float(factor), dtype, vectorized)
     plans = []
-    for rank, (lo, size) in enumerate(zip(_starts(sizes), sizes)):
-        alone = dim_taps(size, factor * size, mode, False, float(factor), dtype, vectorized) if size else None
-        wrong = None if alone is None else _rank_borders(whole, alone, lo, size, factor)
+    for rank, (lo, size) in enumerate(zip(offsets(sizes), sizes)):
+        if size == 0:
+            return None
+        alone = dim_taps(size, factor * size, mode, False, float(factor), dtype, vectorized)
+        wrong = _rank_borders(whole, alone, lo, size, factor)
         if wrong is None or (wrong[0] and rank == 0) or (wrong[1] and rank == last):
             return None
         top, bottom = wrong
