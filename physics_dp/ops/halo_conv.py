@@ -4,13 +4,14 @@ A convolution is linear in its input, so the output of a slab with its halo rows
 plain convolution of the slab alone (zero padded: torch's own op on the rank's data, no copy)
 plus the contribution of the halo rows, which only reaches the first and last ``r`` output
 rows (``r`` = the padding, half the kernel's span).  The halo exchange starts first, the slab's
-convolution runs while it is in flight, then a convolution of each received halo strip (``3r``
-rows) is added to the boundary rows.  The backward mirrors it: the output gradient's ``r``
-boundary rows travel to the neighbours while the slab's ``convolution_backward`` runs (only the
-gradients autograd asks for), then the neighbours' rows add their share to the boundary of the
-input gradient, and the halo strips add theirs to the weight gradient.  A double backward
-(``create_graph=True``) instead differentiates the same convolution written with the
-differentiable window gather (:mod:`.halo`): slower, but only that case pays for it.
+convolution runs while it is in flight, then each received halo is convolved with the few
+kernel rows whose taps reach it (one row of a 3x3 kernel) and added to the boundary rows.
+The backward mirrors it: the output gradient's ``r`` boundary rows travel to the neighbours
+while the slab's ``convolution_backward`` runs (only the gradients autograd asks for), then the
+neighbours' rows add their share to the boundary of the input gradient, and the halos add theirs
+to those kernel rows' weight gradient.  A double backward (``create_graph=True``) instead
+differentiates the same convolution written with the differentiable window gather (:mod:`.halo`):
+slower, but only that case pays for it.
 
 Eligible: stride 1, zero padding ``r`` on both sides with ``2 r`` equal to the kernel's span,
 one sharded spatial dim, and every shard at least ``r`` rows (halos come from adjacent ranks
@@ -58,6 +59,19 @@ class HaloConvGeometry:
         padding[self.dim - 2] = 0
         return tuple(padding)
 
+    def reaching_rows(self, kernel: int, before: bool) -> tuple[int, int]:
+        """(first, count) of the kernel rows along the sharded dim whose taps reach a halo.
+
+        ``before``: the previous rank's rows, reached from the first ``r`` outputs by the rows
+        k with k * dilation < r; else the next rank's, reached from the last ``r`` by those with
+        k * dilation > r.
+        """
+        dilation, r = self.dilation[self.dim - 2], self.reach
+        if before:
+            return 0, (r - 1) // dilation + 1
+        first = -(-(r + 1) // dilation)
+        return first, kernel - first
+
 
 def _exchange_rows(local: torch.Tensor, geometry: HaloConvGeometry) -> collectives.PendingExchange:
     """Start sending the first ``r`` rows to the previous rank and the last ``r`` to the next, and receiving theirs.
@@ -85,22 +99,17 @@ def _received(pending: collectives.PendingExchange, geometry: HaloConvGeometry) 
     return received.get(me - 1) if geometry.has_prev else None, received.get(me + 1) if geometry.has_next else None
 
 
-def _strip(halo: torch.Tensor, geometry: HaloConvGeometry, before: bool) -> torch.Tensor:
-    """The ``3r`` rows around a boundary with only the halo's values: halo then zeros, or zeros then halo."""
-    zeros = halo.new_zeros(with_extent(halo.shape, geometry.dim, 2 * geometry.reach))
-    return torch.cat([halo, zeros] if before else [zeros, halo], geometry.dim)
+def _strip(halo: torch.Tensor, geometry: HaloConvGeometry, count: int, before: bool) -> torch.Tensor:
+    """The rows that ``count`` kernel rows see around a boundary, only the halo's nonzero: ``r`` output rows' worth.
 
-
-def _batched(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The boundary pieces as one batch, so each boundary costs one kernel call.
-
-    A batch of one is padded with a zero piece: torch runs small single-sample convolutions on
-    its slow reference kernel (several times slower here than the oneDNN one it picks for a
-    batch above one), and a zero piece adds nothing to any result.
+    The halo, then zeros in place of the slab's rows (before), or zeros then the halo; for a
+    kernel of 3 rows it is the halo alone.
     """
-    if len(pieces) == 1 and pieces[0].shape[0] == 1:
-        pieces = [pieces[0], torch.zeros_like(pieces[0])]
-    return torch.cat(list(pieces), 0)
+    gap = (count - 1) * geometry.dilation[geometry.dim - 2]
+    if gap == 0:
+        return halo
+    zeros = halo.new_zeros(with_extent(halo.shape, geometry.dim, gap))
+    return torch.cat([halo, zeros] if before else [zeros, halo], geometry.dim)
 
 
 def _conv_backward(grad: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, geometry: HaloConvGeometry, mask: list[bool]):
@@ -117,25 +126,24 @@ class _HaloConv(torch.autograd.Function):
         ctx, local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geometry: HaloConvGeometry
     ) -> torch.Tensor:
         conv = _CONV_BY_DIMS[local.ndim - 2]
-        dim, r, n = geometry.dim, geometry.reach, local.shape[0]
+        dim, r = geometry.dim, geometry.reach
         ctx.dtypes = (local.dtype, weight.dtype, None if bias is None else bias.dtype)
         local, weight, bias = _autocast(local, weight, bias)  # the backward then sees one dtype
         pending = _exchange_rows(local, geometry)
         y = conv(local, weight, bias, geometry.stride, geometry.padding, geometry.dilation, geometry.groups)
         prev_rows, next_rows = _received(pending, geometry)
-        # (strip, first output row it corrects, whether the halo comes before the slab)
-        boundaries = [
-            (_strip(rows, geometry, before), start, before)
-            for rows, start, before in ((prev_rows, 0, True), (next_rows, y.shape[dim] - r, False))
-            if rows is not None
-        ]
-        if boundaries:
-            strips = _batched([strip for strip, _, _ in boundaries])
-            corrections = conv(strips, weight, None, geometry.stride, geometry.strip_padding(), geometry.dilation, geometry.groups)
-            for i, (_, start, _) in enumerate(boundaries):
-                y.narrow(dim, start, r).add_(corrections.narrow(0, i * n, n))
-        ctx.save_for_backward(local, weight, *(strip for strip, _, _ in boundaries))
-        ctx.boundaries = tuple((start, before) for _, start, before in boundaries)
+        strips, boundaries = [], []  # boundaries: (first output row corrected, whether the halo comes before)
+        for rows, start, before in ((prev_rows, 0, True), (next_rows, y.shape[dim] - r, False)):
+            if rows is None:
+                continue
+            first, count = geometry.reaching_rows(weight.shape[dim], before)
+            strip = _strip(rows, geometry, count, before)
+            part = weight.narrow(dim, first, count)
+            y.narrow(dim, start, r).add_(conv(strip, part, None, geometry.stride, geometry.strip_padding(), geometry.dilation, geometry.groups))
+            strips.append(strip)
+            boundaries.append((start, before))
+        ctx.save_for_backward(local, weight, *strips)
+        ctx.boundaries = tuple(boundaries)
         ctx.geometry, ctx.has_bias = geometry, bias is not None
         return y
 
@@ -145,7 +153,7 @@ class _HaloConv(torch.autograd.Function):
             return _differentiable_backward(ctx, grad)
         local, weight, *strips = ctx.saved_tensors
         geometry: HaloConvGeometry = ctx.geometry
-        dim, r, n = geometry.dim, geometry.reach, local.shape[0]
+        dim, r = geometry.dim, geometry.reach
         need_input, need_weight, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         pending = _exchange_rows(grad, geometry) if need_input else None
         grad_input, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
@@ -153,18 +161,22 @@ class _HaloConv(torch.autograd.Function):
             geometry.stride, geometry.padding, geometry.dilation, False, [0] * len(geometry.padding), geometry.groups,
             [need_input, need_weight, need_bias and ctx.has_bias],
         )
-        if need_weight and strips:  # the halo rows' share of the weight gradient
-            boundary_grads = _batched([grad.narrow(dim, start, r) for start, _ in ctx.boundaries])
-            grad_weight.add_(_conv_backward(boundary_grads, _batched(strips), weight, geometry, [False, True, False])[1])
+        kernel = weight.shape[dim]
+        if need_weight:  # the halo rows' share of the weight gradient, in the kernel rows that reach them
+            for strip, (start, before) in zip(strips, ctx.boundaries):
+                first, count = geometry.reaching_rows(kernel, before)
+                part = weight.narrow(dim, first, count)
+                share = _conv_backward(grad.narrow(dim, start, r), strip, part, geometry, [False, True, False])[1]
+                grad_weight.narrow(dim, first, count).add_(share)
         if need_input and ctx.boundaries:  # the neighbours' boundary outputs read r of our rows each
             prev_grad, next_grad = _received(pending, geometry)
-            neighbour_grads = [g for g in (prev_grad, next_grad) if g is not None]
-            batch = _batched(neighbour_grads)
-            strip_shape = [batch.shape[0], *with_extent(local.shape, dim, 3 * r)[1:]]
-            strip_input = _conv_backward(batch, local.new_empty(strip_shape), weight, geometry, [True, False, False])[0]
-            for i, (start, before) in enumerate(ctx.boundaries):
-                ours = strip_input.narrow(0, i * n, n).narrow(dim, 2 * r if before else 0, r)
-                grad_input.narrow(dim, start, r).add_(ours)
+            for neighbour_grad, (start, before) in zip((g for g in (prev_grad, next_grad) if g is not None), ctx.boundaries):
+                # our first rows are the previous rank's halo after its slab, our last rows the next rank's halo before
+                first, count = geometry.reaching_rows(kernel, not before)
+                gap = (count - 1) * geometry.dilation[dim - 2]
+                strip = local.new_empty(with_extent(local.shape, dim, r + gap))
+                strip_grad = _conv_backward(neighbour_grad, strip, weight.narrow(dim, first, count), geometry, [True, False, False])[0]
+                grad_input.narrow(dim, start, r).add_(strip_grad.narrow(dim, gap if before else 0, r))
         input_dtype, weight_dtype, bias_dtype = ctx.dtypes
         return (
             None if grad_input is None else grad_input.to(input_dtype),
