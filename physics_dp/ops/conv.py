@@ -29,6 +29,7 @@ from ._args import bind, per_dim, single_device_shape
 from ._local import ShardedOpError, local_input, local_param, sharded_axes, wrap_local
 from .halo import Window, gather_window
 from .halo_conv import HaloConvGeometry, eligible_geometry, halo_conv
+from .halo_conv_transpose import TransposedHaloGeometry, eligible_transposed_geometry, halo_conv_transpose
 
 __all__ = [
     "conv_output_split",
@@ -288,10 +289,31 @@ def _conv(func: Any, bound: dict[str, Any], nd: int) -> ShardTensor:
     return wrap_local(y, x, out_shape, axis_sizes)
 
 
+def _transposed_halo_geometry(x: ShardTensor, bound: dict[str, Any], nd: int, out_extent_of: Sequence[int]) -> TransposedHaloGeometry | None:
+    """The geometry of :mod:`.halo_conv_transpose`'s copy-free path, when the op is eligible for it."""
+    spatial_shards = [(axis, dim) for axis, dim in sharded_axes(x) if dim >= x.ndim - nd]
+    if x.ndim != nd + 2 or len(spatial_shards) != 1:
+        return None  # unbatched inputs and 2-D decompositions take the general path
+    axis, dim = spatial_shards[0]
+    return eligible_transposed_geometry(
+        x._spec.axis_sizes[axis], x._spec.coordinate()[axis], dim, bound["weight"].shape[dim], out_extent_of[dim],
+        stride=per_dim(bound["stride"], nd), padding=per_dim(bound["padding"], nd),
+        output_padding=per_dim(bound["output_padding"], nd), dilation=per_dim(bound["dilation"], nd),
+        groups=bound["groups"], group=x.device_mesh.get_group(axis),
+    )
+
+
 def _conv_transpose(func: Any, bound: dict[str, Any], nd: int) -> ShardTensor:
     x = bound["input"]
     out_shape = single_device_shape(func, bound)
     spec, axis_of = x._spec, _axis_of(x)
+    geometry = _transposed_halo_geometry(x, bound, nd, out_shape)
+    if geometry is not None:
+        axis, stride = axis_of[geometry.dim], per_dim(bound["stride"], nd)[geometry.dim - 2]
+        axis_sizes = list(spec.axis_sizes)
+        axis_sizes[axis] = tuple(stride * size for size in axis_sizes[axis])
+        weight, bias = local_param(bound["weight"], x), local_param(bound["bias"], x)
+        return wrap_local(halo_conv_transpose(local_input(x), weight, bias, geometry), x, out_shape, axis_sizes)
     padding, output_padding = list(per_dim(bound["padding"], nd)), list(per_dim(bound["output_padding"], nd))
     stencils = _stencils(bound, nd, padding)
     axis_sizes, windows, targets = list(spec.axis_sizes), {}, {}

@@ -20,7 +20,7 @@ only).  Everything else takes the general window-gather path in :mod:`.conv`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +33,7 @@ from ..distributed import collectives
 from .halo import gather_window, uniform_windows, with_extent
 from .grad_sums import creating_graph
 
-__all__ = ["HaloConvGeometry", "halo_conv"]
+__all__ = ["HaloConvGeometry", "halo_conv", "exchange_boundary_rows", "received_rows", "autocast_inputs", "differentiated_rerun", "in_input_dtypes"]
 
 _CONV_BY_DIMS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
@@ -73,30 +73,36 @@ class HaloConvGeometry:
         return first, kernel - first
 
 
-def _exchange_rows(local: torch.Tensor, geometry: HaloConvGeometry) -> collectives.PendingExchange:
-    """Start sending the first ``r`` rows to the previous rank and the last ``r`` to the next, and receiving theirs.
+def exchange_boundary_rows(
+    local: torch.Tensor, dim: int, group: ProcessGroup, to_prev: int, to_next: int, from_prev: int, from_next: int
+) -> collectives.PendingExchange:
+    """Start sending the first ``to_prev`` rows to the previous rank and the last ``to_next`` to the next, and
+    receiving ``from_prev`` and ``from_next`` rows from them (a count of 0 sends or expects nothing).
 
-    The forward's input halo and the backward's output-gradient halo travel the same way.
+    Every rank passes counts that mirror its neighbours' (they come from one shared geometry).
     """
-    me, r, dim = dist.get_rank(geometry.group), geometry.reach, geometry.dim
-    extent = local.shape[dim]
+    me, extent = dist.get_rank(group), local.shape[dim]
     sends, recv_shapes = {}, {}
-    if geometry.has_prev:
-        sends[me - 1] = local.narrow(dim, 0, r)
-        recv_shapes[me - 1] = with_extent(local.shape, dim, r)
-    if geometry.has_next:
-        sends[me + 1] = local.narrow(dim, extent - r, r)
-        recv_shapes[me + 1] = with_extent(local.shape, dim, r)
-    return collectives.start_exchange(
-        sends, recv_shapes, geometry.group, dtype=local.dtype, device=local.device, anchor=local
-    )
+    for peer, count, start in ((me - 1, to_prev, 0), (me + 1, to_next, extent - to_next)):
+        if count:
+            sends[peer] = local.narrow(dim, start, count)
+    for peer, count in ((me - 1, from_prev), (me + 1, from_next)):
+        if count:
+            recv_shapes[peer] = with_extent(local.shape, dim, count)
+    return collectives.start_exchange(sends, recv_shapes, group, dtype=local.dtype, device=local.device, anchor=local)
 
 
-def _received(pending: collectives.PendingExchange, geometry: HaloConvGeometry) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(rows from the previous rank, rows from the next rank)."""
+def received_rows(pending: collectives.PendingExchange, group: ProcessGroup) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(rows from the previous rank, rows from the next rank), None where none were expected."""
     received = pending.wait()
-    me = dist.get_rank(geometry.group)
-    return received.get(me - 1) if geometry.has_prev else None, received.get(me + 1) if geometry.has_next else None
+    me = dist.get_rank(group)
+    return received.get(me - 1), received.get(me + 1)
+
+
+def _exchange_rows(local: torch.Tensor, geometry: HaloConvGeometry) -> collectives.PendingExchange:
+    """The ``r`` boundary rows each way: the forward's input halo and the backward's output-gradient halo."""
+    r_prev, r_next = geometry.reach * geometry.has_prev, geometry.reach * geometry.has_next
+    return exchange_boundary_rows(local, geometry.dim, geometry.group, r_prev, r_next, r_prev, r_next)
 
 
 def _strip(halo: torch.Tensor, geometry: HaloConvGeometry, count: int, before: bool) -> torch.Tensor:
@@ -128,10 +134,10 @@ class _HaloConv(torch.autograd.Function):
         conv = _CONV_BY_DIMS[local.ndim - 2]
         dim, r = geometry.dim, geometry.reach
         ctx.dtypes = (local.dtype, weight.dtype, None if bias is None else bias.dtype)
-        local, weight, bias = _autocast(local, weight, bias)  # the backward then sees one dtype
+        local, weight, bias = autocast_inputs(local, weight, bias)  # the backward then sees one dtype
         pending = _exchange_rows(local, geometry)
         y = conv(local, weight, bias, geometry.stride, geometry.padding, geometry.dilation, geometry.groups)
-        prev_rows, next_rows = _received(pending, geometry)
+        prev_rows, next_rows = received_rows(pending, geometry.group)
         strips, boundaries = [], []  # boundaries: (first output row corrected, whether the halo comes before)
         for rows, start, before in ((prev_rows, 0, True), (next_rows, y.shape[dim] - r, False)):
             if rows is None:
@@ -169,7 +175,7 @@ class _HaloConv(torch.autograd.Function):
                 share = _conv_backward(grad.narrow(dim, start, r), strip, part, geometry, [False, True, False])[1]
                 grad_weight.narrow(dim, first, count).add_(share)
         if need_input and ctx.boundaries:  # the neighbours' boundary outputs read r of our rows each
-            prev_grad, next_grad = _received(pending, geometry)
+            prev_grad, next_grad = received_rows(pending, geometry.group)
             for neighbour_grad, (start, before) in zip((g for g in (prev_grad, next_grad) if g is not None), ctx.boundaries):
                 # our first rows are the previous rank's halo after its slab, our last rows the next rank's halo before
                 first, count = geometry.reaching_rows(kernel, not before)
@@ -177,34 +183,38 @@ class _HaloConv(torch.autograd.Function):
                 strip = local.new_empty(with_extent(local.shape, dim, r + gap))
                 strip_grad = _conv_backward(neighbour_grad, strip, weight.narrow(dim, first, count), geometry, [True, False, False])[0]
                 grad_input.narrow(dim, start, r).add_(strip_grad.narrow(dim, gap if before else 0, r))
-        input_dtype, weight_dtype, bias_dtype = ctx.dtypes
-        return (
-            None if grad_input is None else grad_input.to(input_dtype),
-            None if grad_weight is None else grad_weight.to(weight_dtype),
-            None if grad_bias is None else grad_bias.to(bias_dtype),
-            None,
-        )
+        return in_input_dtypes(ctx, grad_input, grad_weight, grad_bias)
 
 
 def _differentiable_backward(ctx, grad: torch.Tensor) -> tuple:
-    """The gradients as a differentiable function of the saved slab, weight and ``grad``.
+    """The convolution re-run on the slab widened by its halo (window gather, whose backward is
+    differentiable), differentiated with ``create_graph``."""
 
-    The convolution is re-run on the slab widened by its halo (window gather, whose backward is
-    differentiable) and differentiated with ``create_graph``; the bias gradient is a sum of ``grad``.
+    def rerun(local: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        geometry: HaloConvGeometry = ctx.geometry
+        r = geometry.reach
+        window = gather_window(local, geometry.dim, geometry.sizes, uniform_windows(geometry.sizes, r, r), group=geometry.group)
+        conv = _CONV_BY_DIMS[local.ndim - 2]
+        return conv(window, weight, None, geometry.stride, geometry.strip_padding(), geometry.dilation, geometry.groups)
+
+    return differentiated_rerun(ctx, grad, rerun, "halo convolution")
+
+
+def differentiated_rerun(ctx, grad: torch.Tensor, rerun: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], op: str) -> tuple:
+    """A halo op's gradients as a differentiable function of its saved slab, weight and ``grad``, for a double backward.
+
+    ``rerun(slab, weight)`` recomputes the op's output without bias from differentiable pieces;
+    the bias gradient is a sum of ``grad``.
     """
     local, weight = ctx.saved_tensors[:2]
     input_dtype, weight_dtype, bias_dtype = ctx.dtypes
     if local.dtype != input_dtype or weight.dtype != weight_dtype:
         raise RuntimeError(
-            "halo convolution: cannot differentiate twice a convolution run under autocast (its saved inputs "
-            "are the casts); run the double backward in full precision"
+            f"{op}: cannot differentiate twice an op run under autocast (its saved inputs are the casts); run the "
+            "double backward in full precision"
         )
-    geometry: HaloConvGeometry = ctx.geometry
-    r = geometry.reach
     wanted = [t for t, need in zip((local, weight), ctx.needs_input_grad[:2]) if need]
-    window = gather_window(local, geometry.dim, geometry.sizes, uniform_windows(geometry.sizes, r, r), group=geometry.group)
-    conv = _CONV_BY_DIMS[local.ndim - 2]
-    y = conv(window, weight, None, geometry.stride, geometry.strip_padding(), geometry.dilation, geometry.groups)
+    y = rerun(local, weight)
     grads = iter(torch.autograd.grad(y, wanted, grad, create_graph=True)) if wanted else iter(())
     grad_input = next(grads) if ctx.needs_input_grad[0] else None
     grad_weight = next(grads) if ctx.needs_input_grad[1] else None
@@ -214,7 +224,18 @@ def _differentiable_backward(ctx, grad: torch.Tensor) -> tuple:
     return grad_input, grad_weight, grad_bias, None
 
 
-def _autocast(local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+def in_input_dtypes(ctx, grad_input: torch.Tensor | None, grad_weight: torch.Tensor | None, grad_bias: torch.Tensor | None) -> tuple:
+    """A halo op's backward result: each gradient in its input's dtype (the forward may have run on autocast casts)."""
+    input_dtype, weight_dtype, bias_dtype = ctx.dtypes
+    return (
+        None if grad_input is None else grad_input.to(input_dtype),
+        None if grad_weight is None else grad_weight.to(weight_dtype),
+        None if grad_bias is None else grad_bias.to(bias_dtype),
+        None,
+    )
+
+
+def autocast_inputs(local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
     """Under autocast, the conv's inputs in its compute dtype, as ``F.conv*`` would cast them."""
     device = local.device.type
     if not torch.is_autocast_enabled(device):

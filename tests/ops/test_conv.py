@@ -242,6 +242,64 @@ def test_conv_halo_on_2x2_mesh_sends_rows_then_columns_with_corners():
         assert forward == [("p2p", 2 * 3 * 4 * 4), ("p2p", 2 * 3 * 7 * 4)], (coordinate, forward)
 
 
+def _transposed_bytes(world):
+    """Bytes each rank sends in a 4x4 stride-2 padding-1 transposed conv (an upsampling layer) and its backward."""
+    mesh = get_mesh((world,))
+    x = distribute_tensor(torch.randn(2, 3, 4 * world, 8), mesh, [Shard(2)]).requires_grad_(True)
+    up = nn.ConvTranspose2d(3, 4, 4, stride=2, padding=1)
+    return (tuple(mesh.get_coordinate()), *forward_backward_traffic(up, x))
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_upsampling_transposed_conv_sends_one_row_each_way(world):
+    # forward: one input row to each neighbour (N * C_in * W); backward: one output-gradient row (N * C_out * 2W)
+    row, grad_row = 2 * 3 * 8 * 4, 2 * 4 * 16 * 4
+    for (c,), forward, backward in run_on_ranks(world, _transposed_bytes, world):
+        neighbours = (c > 0) + (c < world - 1)
+        assert forward == [("p2p", row)] * neighbours, (c, forward)
+        assert _p2p(backward) == [grad_row] * neighbours, (c, backward)
+
+
+def _upsampling_on_the_slab(world, name):
+    """Transposed convs whose output split is stride x the input split, with the window gather (a copy of the slab) forbidden."""
+    import physics_dp.ops.conv as conv
+
+    # the layer, the global input shape, the placement, and the smallest shard whose halos reach only the neighbours
+    factory, shape, dim, small = {
+        "k4_s2_p1": (lambda: nn.ConvTranspose2d(3, 4, 4, stride=2, padding=1), (2, 3, 3 * world + 2, 5), 2, 1),
+        "k2_s2_nobias": (lambda: nn.ConvTranspose2d(3, 4, 2, stride=2, bias=False), (2, 3, 2 * world + 1, 5), 3, 1),
+        "k3_s2_p1_op1_groups": (
+            lambda: nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=2), (1, 4, 3 * world, 6), 2, 1,
+        ),
+        "k5_s2_p2_op1_1d": (lambda: nn.ConvTranspose1d(3, 2, 5, stride=2, padding=2, output_padding=1), (2, 3, 4 * world + 3), 2, 1),
+        "k3_d2_s3_p2_3d": (
+            lambda: nn.ConvTranspose3d(2, 3, 3, stride=3, padding=2, dilation=2, output_padding=2), (1, 2, 3, 3 * world + 1, 4), 3, 2,
+        ),
+    }[name]
+    mesh = get_mesh((world,))
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(5))
+    original = conv._gather_sharded
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the slab was gathered into a window")
+
+    conv._gather_sharded = refuse
+    try:
+        sizes = [{0: [small] * (world - 1) + [shape[dim] - small * (world - 1)]}]  # uneven, small shards
+        for split in (sizes, None):  # a fresh layer each time: parameter gradients accumulate
+            torch.manual_seed(0)
+            assert_sharded_matches(factory(), [x], mesh, [[Shard(dim)]], sharding_sizes=split)
+    finally:
+        conv._gather_sharded = original
+    return True
+
+
+@pytest.mark.parametrize("name", ["k4_s2_p1", "k2_s2_nobias", "k3_s2_p1_op1_groups", "k5_s2_p2_op1_1d", "k3_d2_s3_p2_3d"])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_upsampling_transposed_convs_run_on_the_slab_without_copying_it(world, name):
+    assert all(run_on_ranks(world, _upsampling_on_the_slab, world, name))
+
+
 def _one_by_one_sends_nothing(world):
     mesh = get_mesh((world,))
     x = distribute_tensor(torch.randn(2, 3, 9, 4), mesh, [Shard(2)]).requires_grad_(True)
@@ -341,11 +399,11 @@ def test_same_conv_computes_only_the_gradients_asked_for(world):
     assert len(run_on_ranks(world, _gradients_asked_for, world)[0]) == 3
 
 
-def _same_conv_under_autocast() -> float:
-    """bf16 autocast (the trainer's "none"/DDP precision): the copy-free path casts like F.conv2d."""
+def _same_conv_under_autocast(transposed: bool) -> float:
+    """bf16 autocast (the trainer's "none"/DDP precision): the copy-free paths cast like F.conv2d."""
     mesh = get_mesh((2,))
     torch.manual_seed(0)
-    conv = nn.Conv2d(3, 4, 3, padding=1)
+    conv = nn.ConvTranspose2d(3, 4, 4, stride=2, padding=1) if transposed else nn.Conv2d(3, 4, 3, padding=1)
     x = torch.randn(2, 3, 12, 8)
     xs = distribute_tensor(x, mesh, [Shard(2)]).requires_grad_(True)
     reference = x.clone().requires_grad_(True)
@@ -363,5 +421,6 @@ def _same_conv_under_autocast() -> float:
     return float((sharded_weight_grad - conv.weight.grad).abs().max())
 
 
-def test_same_conv_under_bf16_autocast_matches_one_device():
-    run_on_ranks(2, _same_conv_under_autocast)
+@pytest.mark.parametrize("transposed", [False, True])
+def test_same_conv_under_bf16_autocast_matches_one_device(transposed):
+    run_on_ranks(2, _same_conv_under_autocast, transposed)

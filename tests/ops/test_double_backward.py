@@ -115,6 +115,10 @@ def _field(h: int, w: int):
         "conv2d_stride2_window": (lambda: nn.Conv2d(3, 4, 3, stride=2, padding=1), (2, 3, h, w)),
         "conv2d_circular_window": (lambda: nn.Conv2d(3, 4, 3, padding=1, padding_mode="circular"), (2, 3, h, w)),
         "conv_transpose2d": (lambda: nn.ConvTranspose2d(3, 4, 3, stride=2, padding=1), (2, 3, h, w)),
+        "conv_transpose2d_upsampling_fast_path": (lambda: nn.ConvTranspose2d(3, 4, 4, stride=2, padding=1), (2, 3, h, w)),
+        "conv1d_transposed_upsampling_fast_path": (
+            lambda: nn.ConvTranspose1d(3, 2, 3, stride=2, padding=1, output_padding=1, bias=False), (2, 3, h),
+        ),
         "pad_reflect_conv_valid": (lambda: nn.Sequential(Pad((1, 1, 2, 2), "reflect"), nn.Conv2d(3, 4, (5, 3))), (2, 3, h, w)),
         "avg_pool": (lambda: nn.Sequential(nn.Conv2d(3, 4, 1), nn.AvgPool2d(3, stride=2, padding=1)), (2, 3, h, w)),
         "max_pool": (lambda: nn.Sequential(nn.Conv2d(3, 4, 1), nn.MaxPool2d(2)), (2, 3, h, w)),

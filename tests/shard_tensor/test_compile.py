@@ -69,7 +69,7 @@ BLOCKS: dict[str, Callable[[], nn.Module]] = {
     "conv_strided_and_circular": lambda: nn.Sequential(
         nn.Conv2d(4, 4, 3, stride=2, padding=1), nn.Conv2d(4, 4, 3, padding=1, padding_mode="circular")
     ),
-    "conv_transpose": lambda: nn.ConvTranspose2d(4, 4, 2, stride=2),
+    "conv_transpose": lambda: nn.Sequential(nn.ConvTranspose2d(4, 4, 2, stride=2), nn.ConvTranspose2d(4, 4, 4, stride=2, padding=1)),
     "batch_norm": lambda: nn.BatchNorm2d(4),
     "layer_norm_over_chw": lambda: nn.LayerNorm([4, 12, 8]),
     "instance_norm": lambda: nn.InstanceNorm2d(4, affine=True),
