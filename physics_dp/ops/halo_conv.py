@@ -72,6 +72,10 @@ class HaloConvGeometry:
         first = -(-(r + 1) // dilation)
         return first, kernel - first
 
+    def strip_gap(self, count: int) -> int:
+        """Zero rows between a halo and the ``r`` output rows it reaches through ``count`` kernel rows (0 for 3 rows)."""
+        return (count - 1) * self.dilation[self.dim - 2]
+
 
 def exchange_boundary_rows(
     local: torch.Tensor, dim: int, group: ProcessGroup, to_prev: int, to_next: int, from_prev: int, from_next: int
@@ -111,7 +115,7 @@ def _strip(halo: torch.Tensor, geometry: HaloConvGeometry, count: int, before: b
     The halo, then zeros in place of the slab's rows (before), or zeros then the halo; for a
     kernel of 3 rows it is the halo alone.
     """
-    gap = (count - 1) * geometry.dilation[geometry.dim - 2]
+    gap = geometry.strip_gap(count)
     if gap == 0:
         return halo
     zeros = halo.new_zeros(with_extent(halo.shape, geometry.dim, gap))
@@ -179,7 +183,7 @@ class _HaloConv(torch.autograd.Function):
             for neighbour_grad, (start, before) in zip((g for g in (prev_grad, next_grad) if g is not None), ctx.boundaries):
                 # our first rows are the previous rank's halo after its slab, our last rows the next rank's halo before
                 first, count = geometry.reaching_rows(kernel, not before)
-                gap = (count - 1) * geometry.dilation[dim - 2]
+                gap = geometry.strip_gap(count)
                 strip = local.new_empty(with_extent(local.shape, dim, r + gap))
                 strip_grad = _conv_backward(neighbour_grad, strip, weight.narrow(dim, first, count), geometry, [True, False, False])[0]
                 grad_input.narrow(dim, start, r).add_(strip_grad.narrow(dim, gap if before else 0, r))
