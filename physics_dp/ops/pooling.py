@@ -135,7 +135,8 @@ def gather_inside(local: torch.Tensor, x: ShardTensor, splits: Sequence[DimSplit
         inside = tuple(window_inside(w, split.extent) for w in split.windows)
         lo, hi = inside[split.me]
         if split.axis is None:
-            local = local.narrow(split.dim, lo, hi - lo)
+            if (lo, hi) != (0, local.shape[split.dim]):  # a whole dim is not narrowed: its slice's backward zero-fills the slab
+                local = local.narrow(split.dim, lo, hi - lo)
         else:
             group = x.device_mesh.get_group(split.axis)
             local = gather_window(local, split.dim, split.sizes, inside, group=group)

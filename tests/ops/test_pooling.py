@@ -161,6 +161,28 @@ def test_three_by_three_pool_sends_one_halo_row_to_each_neighbour(world):
             assert backward == [("p2p", row)] * neighbours, (pool, c, backward)
 
 
+def _graph_nodes(pool):
+    """The autograd node names between a pool's output and its H-sharded input."""
+    mesh = get_mesh((2,))
+    x = distribute_tensor(torch.randn(2, 3, 12, 8), mesh, [Shard(2)]).requires_grad_(True)
+    names, stack, visited = [], [pool(x).grad_fn], []  # visited keeps the node wrappers alive, so ids stay unique
+    while stack:
+        node = stack.pop()
+        if node is None or any(node is seen for seen in visited):
+            continue
+        visited.append(node)
+        names.append(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+def test_pool_takes_no_slice_of_the_slab_along_a_whole_dim():
+    # a slice's backward zero-fills a tensor of the slab's size and copies the gradient into it
+    for pool in (nn.AvgPool2d(2), nn.MaxPool2d(3, 1, 1)):
+        for names in run_on_ranks(2, _graph_nodes, pool):
+            assert not any(name.startswith(("SliceBackward", "NarrowBackward")) for name in names), (pool, names)
+
+
 def test_pool_on_2x2_mesh_sends_rows_then_columns_with_corners():
     # (2, 3, 12, 8) split 6+6 over H and 4+4 over W, k=3 s=1 p=1: one row of N*C*4, then one
     # column of N*C*(6 + 1 halo row); rows beyond the grid are filled locally, never sent.
