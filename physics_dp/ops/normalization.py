@@ -104,9 +104,10 @@ def _rescaled(local: _LocalRows, scale: torch.Tensor, shift: torch.Tensor) -> to
     Only eager and on the CPU: the check is data-dependent (a compiled graph fuses the pass over x
     anyway) and would make a GPU wait.
     """
-    if is_tracing() or local.normalized.device.type != "cpu" or bool(torch.isinf(local.rstd).any()):
-        return None
-    return _scale_shift(local.normalized, scale / local.rstd, local.mean * scale + shift, in_place=True)
+    normalized = local.normalized
+    if is_tracing() or normalized.device.type != "cpu" or not normalized.is_contiguous() or bool(torch.isinf(local.rstd).any()):
+        return None  # (a non-contiguous slab would be reshaped into a copy, and the copy rescaled)
+    return _scale_shift(normalized, scale / local.rstd, local.mean * scale + shift, in_place=True)
 
 
 def _scale_shift(x3: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, in_place: bool = False) -> torch.Tensor:
