@@ -42,6 +42,9 @@ __all__ = [
     "halo_exchange",
     "halo_exchange_nd",
     "with_extent",
+    "start_edge_exchange",
+    "exchange_boundary_rows",
+    "received_rows",
 ]
 
 EDGE_MODES = ("constant", "reflect", "replicate", "circular")
@@ -223,6 +226,48 @@ def with_extent(shape: Sequence[int], dim: int, extent: int) -> list[int]:
     shape = list(shape)
     shape[dim] = extent
     return shape
+
+
+def start_edge_exchange(
+    to_prev: torch.Tensor | None,
+    to_next: torch.Tensor | None,
+    received_shape: Sequence[int],
+    from_prev: int,
+    from_next: int,
+    dim: int,
+    group: ProcessGroup,
+    anchor: torch.Tensor,
+) -> collectives.PendingExchange:
+    """Start sending ``to_prev`` to the previous rank of ``group`` and ``to_next`` to the next (None or
+    no rows: nothing), and receiving ``from_prev`` and ``from_next`` rows of ``received_shape`` along
+    ``dim`` (0: nothing expected).  ``anchor`` gives the dtype and device.
+
+    Every rank passes counts that mirror its neighbours' (they come from one shared geometry).
+    """
+    me = dist.get_rank(group)
+    sends, recv_shapes = {}, {}
+    for peer, piece, count in ((me - 1, to_prev, from_prev), (me + 1, to_next, from_next)):
+        if piece is not None and piece.shape[dim]:
+            sends[peer] = piece
+        if count:
+            recv_shapes[peer] = with_extent(received_shape, dim, count)
+    return collectives.start_exchange(sends, recv_shapes, group, dtype=anchor.dtype, device=anchor.device, anchor=anchor)
+
+
+def exchange_boundary_rows(
+    local: torch.Tensor, dim: int, group: ProcessGroup, to_prev: int, to_next: int, from_prev: int, from_next: int
+) -> collectives.PendingExchange:
+    """:func:`start_edge_exchange` of ``local``'s first ``to_prev`` and last ``to_next`` rows."""
+    extent = local.shape[dim]
+    first, last = local.narrow(dim, 0, to_prev), local.narrow(dim, extent - to_next, to_next)
+    return start_edge_exchange(first, last, local.shape, from_prev, from_next, dim, group, local)
+
+
+def received_rows(pending: collectives.PendingExchange, group: ProcessGroup) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(rows from the previous rank, rows from the next rank), None where none were expected."""
+    received = pending.wait()
+    me = dist.get_rank(group)
+    return received.get(me - 1), received.get(me + 1)
 
 
 def _exchange(

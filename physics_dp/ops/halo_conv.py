@@ -25,15 +25,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
-from .halo import gather_window, uniform_windows, with_extent
+from .halo import exchange_boundary_rows, gather_window, received_rows, uniform_windows, with_extent
 from .grad_sums import creating_graph
 
-__all__ = ["HaloConvGeometry", "halo_conv", "exchange_boundary_rows", "received_rows", "autocast_inputs", "differentiated_rerun", "in_input_dtypes"]
+__all__ = ["HaloConvGeometry", "halo_conv", "autocast_inputs", "differentiated_rerun", "in_input_dtypes"]
 
 _CONV_BY_DIMS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
@@ -75,32 +74,6 @@ class HaloConvGeometry:
     def strip_gap(self, count: int) -> int:
         """Zero rows between a halo and the ``r`` output rows it reaches through ``count`` kernel rows (0 for 3 rows)."""
         return (count - 1) * self.dilation[self.dim - 2]
-
-
-def exchange_boundary_rows(
-    local: torch.Tensor, dim: int, group: ProcessGroup, to_prev: int, to_next: int, from_prev: int, from_next: int
-) -> collectives.PendingExchange:
-    """Start sending the first ``to_prev`` rows to the previous rank and the last ``to_next`` to the next, and
-    receiving ``from_prev`` and ``from_next`` rows from them (a count of 0 sends or expects nothing).
-
-    Every rank passes counts that mirror its neighbours' (they come from one shared geometry).
-    """
-    me, extent = dist.get_rank(group), local.shape[dim]
-    sends, recv_shapes = {}, {}
-    for peer, count, start in ((me - 1, to_prev, 0), (me + 1, to_next, extent - to_next)):
-        if count:
-            sends[peer] = local.narrow(dim, start, count)
-    for peer, count in ((me - 1, from_prev), (me + 1, from_next)):
-        if count:
-            recv_shapes[peer] = with_extent(local.shape, dim, count)
-    return collectives.start_exchange(sends, recv_shapes, group, dtype=local.dtype, device=local.device, anchor=local)
-
-
-def received_rows(pending: collectives.PendingExchange, group: ProcessGroup) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(rows from the previous rank, rows from the next rank), None where none were expected."""
-    received = pending.wait()
-    me = dist.get_rank(group)
-    return received.get(me - 1), received.get(me + 1)
 
 
 def _exchange_rows(local: torch.Tensor, geometry: HaloConvGeometry) -> collectives.PendingExchange:

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from .grad_sums import creating_graph
-from .halo import gather_window, uniform_windows, with_extent
-from .halo_conv import autocast_inputs, differentiated_rerun, exchange_boundary_rows, in_input_dtypes, received_rows
+from .halo import exchange_boundary_rows, gather_window, received_rows, uniform_windows, with_extent
+from .halo_conv import autocast_inputs, differentiated_rerun, in_input_dtypes
 
 __all__ = ["TransposedHaloGeometry", "eligible_transposed_geometry", "halo_conv_transpose"]
 

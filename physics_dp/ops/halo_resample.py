@@ -23,9 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
-from ..distributed import collectives
 from .grad_sums import creating_graph
-from .halo import gather_window, with_extent
+from .halo import exchange_boundary_rows, gather_window, received_rows, start_edge_exchange, with_extent
 from .indexing import offsets
 
 __all__ = ["BorderPlan", "ResampleGeometry", "halo_resample"]
@@ -89,44 +88,22 @@ def _taken_by_neighbours(geometry: ResampleGeometry) -> tuple[int, int]:
     return first, last
 
 
-def _start_exchange(
-    top: torch.Tensor | None,
-    bottom: torch.Tensor | None,
-    receive: tuple[int, int],
-    input_shape: Sequence[int],
-    anchor: torch.Tensor,
-    geometry: ResampleGeometry,
-) -> collectives.PendingExchange:
-    """Send ``top`` to the previous rank and ``bottom`` to the next; receive ``receive`` rows of the
-    input's shape from each (``anchor`` gives the dtype and device)."""
-    me, dim = geometry.me, geometry.dim
-    sends, shapes = {}, {}
-    for peer, piece, count in ((me - 1, top, receive[0]), (me + 1, bottom, receive[1])):
-        if piece is not None and piece.shape[dim]:
-            sends[peer] = piece
-        if count:
-            shapes[peer] = with_extent(input_shape, dim, count)
-    return collectives.start_exchange(sends, shapes, geometry.group, dtype=anchor.dtype, device=anchor.device, anchor=anchor)
-
-
 class _HaloResample(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local: torch.Tensor, geometry: ResampleGeometry) -> torch.Tensor:  # type: ignore[override]
-        dim, plan, me = geometry.dim, geometry.mine, geometry.me
+        dim, plan = geometry.dim, geometry.mine
         extent = local.shape[dim]
         first, last = _taken_by_neighbours(geometry)
-        pending = _start_exchange(
-            local.narrow(dim, 0, first), local.narrow(dim, extent - last, last), plan.halo, local.shape, local, geometry
-        )
+        pending = exchange_boundary_rows(local, dim, geometry.group, first, last, *plan.halo)
         y = _resize(local, geometry)
-        received = pending.wait()
+        from_prev, from_next = received_rows(pending, geometry.group)
         k = geometry.factors[dim - 2]
         (top, bottom), halo_top, (inner_top, inner_bottom) = plan.wrong, plan.halo[0], plan.inner
         if top:
-            window = torch.cat([received[me - 1], local.narrow(dim, 0, inner_top)], dim)
+            window = torch.cat([from_prev, local.narrow(dim, 0, inner_top)], dim)
             y.narrow(dim, 0, top).copy_(_resize(window, geometry).narrow(dim, k * halo_top, top))
         if bottom:
-            window = torch.cat([local.narrow(dim, extent - inner_bottom, inner_bottom), received[me + 1]], dim)
+            window = torch.cat([local.narrow(dim, extent - inner_bottom, inner_bottom), from_next], dim)
             y.narrow(dim, y.shape[dim] - bottom, bottom).copy_(_resize(window, geometry).narrow(dim, k * inner_bottom - bottom, bottom))
         ctx.geometry, ctx.input_shape = geometry, local.shape
         return y
@@ -137,7 +114,7 @@ class _HaloResample(torch.autograd.Function):
         shape = ctx.input_shape
         if creating_graph():
             return _differentiable_backward(shape, grad, geometry), None
-        dim, plan, me = geometry.dim, geometry.mine, geometry.me
+        dim, plan = geometry.dim, geometry.mine
         extent, out_extent = shape[dim], grad.shape[dim]
         (top, bottom), (halo_top, halo_bottom), (inner_top, inner_bottom) = plan.wrong, plan.halo, plan.inner
         # the borders first (small): their halo rows' gradients travel during the slab's backward
@@ -147,19 +124,20 @@ class _HaloResample(torch.autograd.Function):
             if bottom else None
         )
         receive = _taken_by_neighbours(geometry)  # the gradients of those rows come back
-        pending = _start_exchange(
-            None if top_fix is None else top_fix[1], None if bottom_fix is None else bottom_fix[1], receive, shape, grad, geometry
+        pending = start_edge_exchange(
+            None if top_fix is None else top_fix[1], None if bottom_fix is None else bottom_fix[1], shape, *receive, dim,
+            geometry.group, grad,
         )
         grad_input = _resize_backward(grad, shape, geometry)
         if top_fix is not None:
             grad_input.narrow(dim, 0, inner_top).add_(top_fix[0])
         if bottom_fix is not None:
             grad_input.narrow(dim, extent - inner_bottom, inner_bottom).add_(bottom_fix[0])
-        received = pending.wait()
-        if receive[0]:
-            grad_input.narrow(dim, 0, receive[0]).add_(received[me - 1])
-        if receive[1]:
-            grad_input.narrow(dim, extent - receive[1], receive[1]).add_(received[me + 1])
+        from_prev, from_next = received_rows(pending, geometry.group)
+        if from_prev is not None:
+            grad_input.narrow(dim, 0, receive[0]).add_(from_prev)
+        if from_next is not None:
+            grad_input.narrow(dim, extent - receive[1], receive[1]).add_(from_next)
         return grad_input, None
 
 
