@@ -22,7 +22,6 @@ import torch
 from ..shard_tensor import Replicate, Shard, ShardTensor, ShardTensorSpec
 from ..shard_tensor import dispatch
 from ..shard_tensor.placements import SHARDING_PLACEMENTS, StridedShard
-from ..shard_tensor.spec import contiguous_strides
 
 __all__ = ["block_of_replicated"]
 
@@ -169,7 +168,7 @@ def _pointwise(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
 def _keeps_contiguous_layout(spec: ShardTensorSpec, args: tuple, kwargs: dict) -> bool:
     """Whether every operand of the output's full shape is contiguous, so torch's result is too
     (broadcast operands do not decide the layout): the common case, decided without meta tensors."""
-    if spec.stride != contiguous_strides(spec.shape):
+    if not spec.is_contiguous():
         return False
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor) and value.shape == spec.shape:

@@ -206,7 +206,7 @@ def _split_alike_off(tensors: Sequence[ShardTensor], dim: int) -> bool:
     first = tensors[0]._spec
     for t in tensors:
         spec = t._spec
-        if spec.has_partial or spec.strided or spec.stride != contiguous_strides(spec.shape):
+        if spec.has_partial or spec.strided or not spec.is_contiguous():
             return False
         if spec.mesh is not first.mesh or spec.placements != first.placements or spec.axis_sizes != first.axis_sizes:
             return False

@@ -35,7 +35,6 @@ from ..shard_tensor import Replicate, Shard, ShardTensor, ShardTensorSpec
 from ..shard_tensor import dispatch
 from ..shard_tensor.fallback import propagate_and_run
 from ..shard_tensor.placements import SHARDING_PLACEMENTS, StridedShard
-from ..shard_tensor.spec import contiguous_strides
 from ..shard_tensor.conversions import without_strided_dims
 from . import conv, linear, normalization  # noqa: F401  (their function handlers are wrapped below)
 from ._args import bind, per_dim
@@ -135,7 +134,7 @@ def _same_layout(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     if spec.has_partial and op not in (aten.detach.default, aten.alias.default):
         return NotImplemented
     local_out = op(tensor._local_tensor, *args[1:], **kwargs)
-    if kwargs.get("memory_format") in _KEEPS_CONTIGUOUS and spec.stride == contiguous_strides(spec.shape):
+    if kwargs.get("memory_format") in _KEEPS_CONTIGUOUS and spec.is_contiguous():
         return ShardTensor(local_out, spec)  # torch's layout rule, without its Python meta call
     meta_kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "pin_memory")}
     meta_out = op(_meta(spec, tensor.dtype), *args[1:], **meta_kwargs)

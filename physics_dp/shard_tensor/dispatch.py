@@ -29,7 +29,6 @@ import torch.nn.functional as F
 
 from . import local_only
 from .local_only import RETURNS_VIEWS, local_only_spec, run_aten_on_slabs, run_function_on_slabs
-from .spec import contiguous_strides
 
 __all__ = [
     "FunctionHandler",
@@ -371,7 +370,7 @@ def _pointwise_aten_local(op: torch._ops.OpOverload, args: tuple, kwargs: dict, 
     if kwargs:
         if any(isinstance(value, torch.Tensor) for value in kwargs.values()):
             return NotImplemented
-        if kwargs.get("memory_format") is torch.contiguous_format and spec.stride != contiguous_strides(spec.shape):
+        if kwargs.get("memory_format") is torch.contiguous_format and not spec.is_contiguous():
             # Layout is decided from global information only: a slab's own strides differ
             # between ranks where its extents are 0 or 1, and specs must agree on every rank.
             spec = spec.replace()

@@ -15,7 +15,7 @@ import torch
 
 from ..distributed import collectives
 from .placements import Partial, Placement, Replicate, Shard, StridedShard, partial_op
-from .spec import ShardTensorSpec, contiguous_strides
+from .spec import ShardTensorSpec
 
 __all__ = ["redistribute_local", "grad_target_spec", "contiguous_layout"]
 
@@ -199,7 +199,7 @@ def redistribute_local(local: torch.Tensor, src: ShardTensorSpec, dst: ShardTens
             axis = next(a for a in pending if type(state.placements[a]) is Shard)
             local = _step(local, state, axis, Replicate(), None, src)
     # a broadcast slab (the gradient of a sum or mean) stays a view: its copy would write the whole slab
-    return local if _broadcast(local) and dst.stride == contiguous_strides(dst.shape) else local.contiguous()
+    return local if _broadcast(local) and dst.is_contiguous() else local.contiguous()
 
 
 def grad_target_spec(spec: ShardTensorSpec) -> ShardTensorSpec:

@@ -64,7 +64,7 @@ class ShardTensorSpec:
 
     __slots__ = (
         "mesh", "placements", "shape", "stride", "axis_sizes", "has_partial", "local_only", "strided", "_local_shape",
-        "_hash",
+        "_hash", "_contiguous",
     )
 
     def __init__(
@@ -105,13 +105,14 @@ class ShardTensorSpec:
         self._derive()
 
     def _derive(self) -> None:
-        """The fields that follow from the mesh and the placements."""
+        """The fields that follow from the others (the last three computed on first use)."""
         self.has_partial = any(p.is_partial() for p in self.placements)
         # every slab holds the global value: ops need no communication (see local_only.py)
         self.local_only = all(type(p) is Replicate or self.mesh.size(a) == 1 for a, p in enumerate(self.placements))
         self.strided = any(type(p) is StridedShard for p in self.placements)
         self._local_shape: torch.Size | None = None
         self._hash: int | None = None
+        self._contiguous: bool | None = None
 
     @classmethod
     def from_checked(
@@ -167,6 +168,12 @@ class ShardTensorSpec:
 
     def coordinate(self) -> tuple[int, ...]:
         return mesh_coordinate(self.mesh)
+
+    def is_contiguous(self) -> bool:
+        """Whether the global layout is the row-major one of the shape (what a fresh slab has)."""
+        if self._contiguous is None:
+            self._contiguous = self.stride == contiguous_strides(self.shape)
+        return self._contiguous
 
     def local_shape(self, coordinate: Sequence[int] | None = None) -> torch.Size:
         """The local slab's shape at ``coordinate`` (this rank's by default)."""
@@ -249,7 +256,7 @@ class ShardTensorSpec:
         axis_sizes: Sequence[Sequence[int] | None] | None = None,
     ) -> ShardTensorSpec:
         """A spec for a freshly laid out (contiguous) slab with some fields changed."""
-        if placements is None and shape is None and axis_sizes is None and self.stride == contiguous_strides(self.shape):
+        if placements is None and shape is None and axis_sizes is None and self.is_contiguous():
             return self  # specs are immutable: a contiguous one is its own contiguous layout
         return ShardTensorSpec(
             self.mesh,
