@@ -28,15 +28,6 @@ def per_dim(value: Any, nd: int) -> tuple[int, ...]:
     return value * nd if len(value) == 1 else value
 
 
-def _meta(value: Any) -> Any:
-    # Floating dtypes are unified: only the shape is wanted, and under autocast the real inputs may
-    # mix bf16 activations with fp32 parameters (autocast casts them on the device, not on meta).
-    if isinstance(value, torch.Tensor):
-        dtype = torch.float32 if value.is_floating_point() else value.dtype
-        return torch.empty(value.shape, dtype=dtype, device="meta")
-    return value
-
-
 @dataclass(frozen=True)
 class _TensorKey:
     """What a tensor argument contributes to the output shape: its shape and (unified) dtype."""
@@ -46,6 +37,8 @@ class _TensorKey:
 
 
 def _key(value: Any) -> Any:
+    # Floating dtypes are unified: only the shape is wanted, and under autocast the real inputs may
+    # mix bf16 activations with fp32 parameters (autocast casts them on the device, not on meta).
     if isinstance(value, torch.Tensor):
         return _TensorKey(tuple(value.shape), torch.float32 if value.is_floating_point() else value.dtype)
     if isinstance(value, (list, tuple)):
@@ -61,13 +54,10 @@ def _from_key(value: Any) -> Any:
     return value
 
 
-def _shape_of(out: Any) -> torch.Size:
-    return (out[0] if isinstance(out, tuple) else out).shape
-
-
 @functools.lru_cache(maxsize=1024)
 def _cached_shape(func: Any, names: tuple[str, ...], keys: tuple) -> torch.Size:
-    return _shape_of(func(*(_from_key(k) for k in keys)))
+    out = func(*(_from_key(k) for k in keys))
+    return (out[0] if isinstance(out, tuple) else out).shape
 
 
 def single_device_shape(func: Any, bound: dict[str, Any]) -> torch.Size:
@@ -80,8 +70,7 @@ def single_device_shape(func: Any, bound: dict[str, Any]) -> torch.Size:
     """
     keys = tuple(_key(v) for v in bound.values())
     try:
-        return _cached_shape(func, tuple(bound), keys)
-    except TypeError as error:  # an unhashable argument: compute it uncached
-        if "unhashable" not in str(error):
-            raise
-        return _shape_of(func(*(_meta(v) for v in bound.values())))
+        hash(keys)
+    except TypeError:  # an unhashable argument: the same meta call, uncached
+        return _cached_shape.__wrapped__(func, tuple(bound), keys)
+    return _cached_shape(func, tuple(bound), keys)
