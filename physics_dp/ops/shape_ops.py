@@ -32,6 +32,7 @@ from ..shard_tensor.fallback import propagate_and_run
 from ..shard_tensor.redistribute import redistribute_local
 from ..shard_tensor.spec import contiguous_strides
 from ._local import ShardedOpError
+from .halo import with_extent
 from .indexing import RowPiece, axis_sharding, move_rows, offsets, pieces_from, sharded_slice
 
 aten = torch.ops.aten
@@ -200,9 +201,9 @@ def _as_shard_tensor(value: torch.Tensor, mesh: Any) -> ShardTensor:
     return ShardTensor(value, ShardTensorSpec(mesh, [Replicate()] * mesh.ndim, value.shape))
 
 
-def _split_alike_off(tensors: Sequence[ShardTensor], dim: int) -> bool:
-    """Whether the inputs are split alike, contiguously, on dims other than ``dim`` (a U-Net's
-    channel concat of its skip connection): the slabs then concatenate as they are."""
+def _split_alike(tensors: Sequence[ShardTensor]) -> bool:
+    """Whether the inputs are split alike and laid out contiguously.  For a cat along a dim none of
+    them shards (a U-Net's channel concat of its skip connection) the slabs then concatenate as they are."""
     first = tensors[0]._spec
     for t in tensors:
         spec = t._spec
@@ -217,8 +218,7 @@ def _local_cat(tensors: Sequence[ShardTensor], dim: int) -> ShardTensor:
     """``cat`` of the slabs; the global shape grows along ``dim`` (torch checks the other dims on the slabs)."""
     first = tensors[0]._spec
     local = torch.cat([t._local_tensor for t in tensors], dim)
-    shape = list(first.shape)
-    shape[dim] = sum(t.shape[dim] for t in tensors)
+    shape = with_extent(first.shape, dim, sum(t.shape[dim] for t in tensors))
     return ShardTensor(local, ShardTensorSpec(first.mesh, first.placements, shape, first.axis_sizes))
 
 
@@ -229,7 +229,7 @@ def _cat_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     dim %= ndim
     axes = {a for t in sharded for a, p in enumerate(t.placements) if p == Shard(dim)}
     if not axes:
-        if len(sharded) == len(args[0]) and _split_alike_off(sharded, dim):
+        if len(sharded) == len(args[0]) and _split_alike(sharded):
             return _local_cat(sharded, dim)
         return propagate_and_run(op, args, kwargs)
     if len(axes) > 1:
