@@ -19,7 +19,7 @@ from physics_dp.shard_tensor import Partial, Replicate, Shard, ShardTensor, dist
 from physics_dp.testing import forward_backward_traffic, get_mesh, run_on_ranks
 from physics_dp.testing.compare import assert_sharded_matches
 
-from .test_halo import EXTENTS, LAYOUTS, SKEWED_H, SKEWED_W, SPLITS, world_of
+from .test_halo import EXTENTS, LAYOUTS, SKEWED_H, SKEWED_W, SPLITS, window_gather_forbidden, world_of
 
 
 class UpsampleTo(nn.Module):
@@ -278,19 +278,11 @@ def _upsampling_on_the_slab(world, name):
     }[name]
     mesh = get_mesh((world,))
     x = torch.randn(shape, generator=torch.Generator().manual_seed(5))
-    original = conv._gather_sharded
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the slab was gathered into a window")
-
-    conv._gather_sharded = refuse
-    try:
-        sizes = [{0: [small] * (world - 1) + [shape[dim] - small * (world - 1)]}]  # uneven, small shards
+    sizes = [{0: [small] * (world - 1) + [shape[dim] - small * (world - 1)]}]  # uneven, small shards
+    with window_gather_forbidden(conv, "_gather_sharded"):
         for split in (sizes, None):  # a fresh layer each time: parameter gradients accumulate
             torch.manual_seed(0)
             assert_sharded_matches(factory(), [x], mesh, [[Shard(dim)]], sharding_sizes=split)
-    finally:
-        conv._gather_sharded = original
     return True
 
 

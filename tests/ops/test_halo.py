@@ -7,9 +7,11 @@ checked against an accounting that shares no code with the planner.
 
 from __future__ import annotations
 
+import contextlib
 import math
-
 import random
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -46,6 +48,21 @@ HALO_COMBOS = [
 
 def world_of(mesh_shape: tuple[int, ...]) -> int:
     return math.prod(mesh_shape)
+
+
+@contextlib.contextmanager
+def window_gather_forbidden(module: Any, name: str) -> Iterator[None]:
+    """Inside, ``module.name`` (a path's window gather, a copy of the slab) raises instead of running."""
+    original = getattr(module, name)
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the slab was gathered into a window")
+
+    setattr(module, name, refuse)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
 
 
 def split_sizes(kind: str, extents: tuple[int, int], mesh) -> list[list[int]]:

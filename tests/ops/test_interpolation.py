@@ -20,7 +20,7 @@ from physics_dp.ops.interpolation import dim_taps, resample, uses_vectorized_nea
 from physics_dp.shard_tensor import Partial, Replicate, Shard, ShardTensor, distribute_tensor
 from physics_dp.testing import assert_sharded_matches, forward_backward_traffic, get_mesh, run_on_ranks
 
-from .test_halo import LAYOUTS, SPLITS, world_of
+from .test_halo import LAYOUTS, SPLITS, window_gather_forbidden, world_of
 from .test_pooling import batch_and_length, check_cases, half_or_global, hw, spatial
 
 _DIMS = {"linear": 1, "bilinear": 2, "bicubic": 2, "trilinear": 3}
@@ -257,18 +257,10 @@ def _resize_on_the_slab(world, name):
     }[name]
     mesh = get_mesh((world,))
     x = torch.randn(shape, generator=torch.Generator().manual_seed(5))
-    original = interpolation.gather_inside
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the slab was gathered into a window")
-
-    interpolation.gather_inside = refuse
-    try:
-        sizes = [{0: [small] * (world - 1) + [shape[2] - small * (world - 1)]}]  # uneven, small shards
+    sizes = [{0: [small] * (world - 1) + [shape[2] - small * (world - 1)]}]  # uneven, small shards
+    with window_gather_forbidden(interpolation, "gather_inside"):
         assert_sharded_matches(fn, [x], mesh, [[Shard(2)]], sharding_sizes=sizes)
         assert_sharded_matches(fn, [x], mesh, [[Shard(2)]])
-    finally:
-        interpolation.gather_inside = original
     return True
 
 
