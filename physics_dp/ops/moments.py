@@ -26,16 +26,17 @@ __all__ = ["exact_local_moments", "merge_moments", "merge_over", "global_moments
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def normalized_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def normalized_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused group-norm kernel on a (P, Q) tensor with Q > 0: (the rows normalized by their own
-    statistics, (P, Q); their float64 means; their float64 1 / std).
+    statistics, (P, Q); their float64 means, 1 / std and M2).
 
     eps = 0 makes rstd = var^-1/2 exactly as computed (inf for a constant row, whose normalized
-    values are then not finite).
+    values are then not finite), so M2 = Q / rstd^2.
     """
     p, q = rows.shape
     normalized, mean, rstd = torch.ops.aten.native_group_norm(rows.reshape(1, p, q), None, None, 1, p, q, p, 0.0)
-    return normalized.view(p, q), mean.double().reshape(p), rstd.double().reshape(p)
+    rstd = rstd.double().reshape(p)
+    return normalized.view(p, q), mean.double().reshape(p), rstd, rstd.pow(-2) * q
 
 
 def exact_local_moments(x: torch.Tensor, dims: Sequence[int]) -> tuple[int, torch.Tensor, torch.Tensor]:

@@ -64,8 +64,7 @@ class _StatLayout:
             count = c // self.groups * length if self.per_sample else n * length
             return count, zeros, zeros.clone(), None
         rows = x3.reshape(n * self.groups, -1) if self.per_sample else x3.reshape(n * c, length)
-        normalized, row_mean, row_rstd = normalized_rows(rows)
-        row_m2 = row_rstd.pow(-2) * rows.shape[1]
+        normalized, row_mean, row_rstd, row_m2 = normalized_rows(rows)
         if self.per_sample:  # a row is a (sample, group)
             mean, m2 = row_mean.view(n, self.groups), row_m2.view(n, self.groups)
             local = _LocalRows(normalized.view(n, c, length), self.per_channel(mean, c), self.per_channel(row_rstd.view(n, -1), c))
@@ -268,9 +267,8 @@ class _NormalizeGlobally(torch.autograd.Function):
         leading = math.prod(x.shape[: x.ndim - len(dims)])  # each leading index is a row
         local = None
         if x.numel():
-            normalized, mean, row_rstd = normalized_rows(x.reshape(leading, length))
+            normalized, mean, row_rstd, m2 = normalized_rows(x.reshape(leading, length))
             local = _LocalRows(normalized.view(1, leading, length), mean.view(1, -1), row_rstd.view(1, -1))
-            m2 = row_rstd.pow(-2) * length
         else:  # an empty slab: zero moments that weigh nothing in the merge
             mean = torch.zeros(leading, dtype=torch.float64, device=x.device)
             m2 = mean.clone()
