@@ -33,6 +33,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from model_memory import _free_port, _sync, build_model, global_batch  # noqa: E402
 
+from physics_dp.distributed.collectives import barrier  # noqa: E402
+
 __all__ = ["time_steps", "plain_row", "sharded_row", "main"]
 
 
@@ -85,7 +87,7 @@ def _rank_body(args: argparse.Namespace, backend: str | None) -> dict[str, Any]:
     batch = global_batch(args.batch, args.state_channels, args.cond_channels, args.grid, args.seed)
     inputs = {k: distribute_tensor(v.to(manager.device), domain, [Shard(2)]) for k, v in batch.items()}
     group = domain.get_group(0)
-    return time_steps(parallel, inputs, manager.device, args.warmup, args.steps, lambda: dist.barrier(group=group))
+    return time_steps(parallel, inputs, manager.device, args.warmup, args.steps, lambda: barrier(group))
 
 
 def _spawned_rank(rank: int, world: int, port: int, args: argparse.Namespace, backend: str | None, out_path: str) -> None:

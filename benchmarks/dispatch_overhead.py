@@ -47,6 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import distribute_tensor as dtensor_distribute_tensor
 
+from physics_dp.distributed import collectives
 from physics_dp.shard_tensor import Shard, ShardTensor
 from physics_dp.shard_tensor import distribute_tensor as shard_distribute_tensor
 
@@ -138,7 +139,7 @@ def _time_batch(fn: Callable[..., Any], args: Sequence[torch.Tensor], calls: int
 def _barrier(mesh: DeviceMesh) -> None:
     """Start every case together on all ranks, so they compete for the cores the same way."""
     if mesh.size() > 1:
-        dist.barrier(group=mesh.get_group(0))
+        collectives.barrier(mesh.get_group(0))
 
 
 def measure(

@@ -45,6 +45,7 @@ import yaml
 from torch._C._profiler import _EventType
 from torch.autograd.profiler import profile
 
+from physics_dp.distributed.collectives import barrier
 from physics_dp.distributed.host_memory import keep_freed_memory
 
 __all__ = [
@@ -296,7 +297,7 @@ def _floor_body(args: argparse.Namespace, world: int, rank: int, group: Any) -> 
     model = build_model(grid, args.state_channels, args.cond_channels, args.model, args.seed)
     inputs = global_batch(args.batch, args.state_channels, args.cond_channels, grid, args.seed + rank)
     result = measure_step(model, list(model.parameters()), inputs, torch.device("cpu"), warmup=args.warmup,
-                          steps=args.steps, before_each=lambda: dist.barrier(group=group))
+                          steps=args.steps, before_each=lambda: barrier(group))
     return {"rank": rank, "local_grid": list(grid), **result}
 
 
@@ -320,7 +321,7 @@ def _rank_body(args: argparse.Namespace, data_parallel: str) -> dict[str, Any]:
     group = domain.get_group(0)
     result = measure_step(
         parallel, list(parallel.model.parameters()), inputs, device,
-        warmup=args.warmup, steps=args.steps, before_each=lambda: dist.barrier(group=group),
+        warmup=args.warmup, steps=args.steps, before_each=lambda: barrier(group),
     )
     if result["output_type"] != "ShardTensor":
         raise RuntimeError(f"the sharded model returned a {result['output_type']}, not a ShardTensor: the benchmark timed the wrong thing")

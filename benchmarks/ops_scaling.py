@@ -3,7 +3,8 @@
 For each op (forward, then backward from a cotangent of ones, at one global size; a loss such as
 ``.sum()`` would add one all-reduce per step that is not the op's) it prints, in one run:
 
-- ``sharded``: the ShardTensor op on N ranks x 1 thread (slowest rank, barrier-timed median);
+- ``sharded``: the ShardTensor op on N ranks x 1 thread (slowest rank, median of the time between two
+  barriers through shared memory: gloo's barrier adds 0.3-4 ms at random, more than many ops cost);
 - ``slab``: the plain torch op on one rank's slab widened by the halo rows its stencil reads, in
   the same rank processes, interleaved with the sharded runs (the floor: the work a rank must do);
 - ``1x1`` / ``1xN``: the plain op on the whole grid in one process with 1 and with N threads;
@@ -30,7 +31,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
@@ -154,7 +154,7 @@ def _rank_worker(rank: int, world: int, port: int, names: list[str], repeats: in
     keep_freed_memory()
     torch.set_num_threads(1)
     from physics_dp.distributed import DistributedManager
-    from physics_dp.distributed.collectives import count_communication
+    from physics_dp.distributed.collectives import barrier, count_communication
     from physics_dp.shard_tensor import Shard, distribute_tensor
     from physics_dp.shard_tensor.spec import balanced_sizes
 
@@ -182,10 +182,10 @@ def _rank_worker(rank: int, world: int, port: int, names: list[str], repeats: in
         sharded_samples, slab_samples = [], []
         for _ in range(repeats):  # interleaved, so background load hits both alike
             for step, samples in ((sharded_step, sharded_samples), (slab_step, slab_samples)):
-                dist.barrier()
+                barrier()
                 start = time.perf_counter()
                 step()
-                dist.barrier()
+                barrier()
                 samples.append(time.perf_counter() - start)
         with count_communication() as log:
             sharded_step()

@@ -30,6 +30,7 @@ __all__ = [
     "all_to_all_into",
     "all_to_all_joined",
     "all_reduce",
+    "barrier",
     "gather_sizes",
     "broadcast",
     "exchange_with_neighbours",
@@ -213,6 +214,25 @@ def all_reduce(tensor: torch.Tensor, reduce_op: str, group: ProcessGroup) -> tor
     if reduce_op == "avg":
         out = out / world
     return out
+
+
+def barrier(group: ProcessGroup | None = None) -> None:
+    """Return once every rank of ``group`` has called it, through the group's host channel where its
+    ranks share one (tens of microseconds), else ``dist.barrier``.
+
+    Timing between barriers needs this precision: gloo's barrier takes 0.1 ms back to back, but
+    0.3-4 ms after a few milliseconds of compute, and its ranks leave it up to 3 ms apart.
+    Carries no payload, so :func:`count_communication` does not count it.
+    """
+    group = group if group is not None else dist.group.WORLD
+    if _group_size(group) == 1:
+        return
+    token = torch.zeros(1)
+    channel = channel_for(group, token, None)
+    if channel is None:
+        dist.barrier(group=group)
+    else:
+        channel.all_reduce(token, "sum")
 
 
 def gather_sizes(values: Sequence[int], group: ProcessGroup) -> list[list[int]]:
