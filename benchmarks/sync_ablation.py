@@ -30,7 +30,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = ["ABLATIONS", "ablated", "time_steps", "main"]
@@ -77,7 +76,7 @@ def time_steps(mesh: Any, grid: Sequence[int], steps: int, ablation: str) -> tup
         sys.path.insert(0, here)
     from model_memory import build_model
 
-    from physics_dp.distributed.collectives import count_communication
+    from physics_dp.distributed.collectives import barrier, count_communication
     from physics_dp.shard_tensor import Shard, distribute_tensor
 
     height, width = grid
@@ -97,10 +96,10 @@ def time_steps(mesh: Any, grid: Sequence[int], steps: int, ablation: str) -> tup
             step()
         times = []
         for _ in range(steps):
-            dist.barrier()
+            barrier()
             start = time.perf_counter()
             step()
-            dist.barrier()
+            barrier()
             times.append(time.perf_counter() - start)
     return statistics.median(times), log.calls
 
