@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -88,10 +88,6 @@ class TransposedHaloGeometry:
         padding[self.dim - 2] = output_padding[self.dim - 2] = 0
         return tuple(padding), tuple(output_padding)
 
-    def strip_extent(self, rows: int) -> int:
-        """Output rows of a padding-free transposed convolution of ``rows`` input rows."""
-        return (rows - 1) * self._along(self.stride) + self.span + 1
-
     def before_window(self) -> tuple[int, int, int]:
         """(input rows, first output row used, output rows used) of a halo before a slab, in its strip."""
         rows = self.rows_before
@@ -100,6 +96,29 @@ class TransposedHaloGeometry:
     def after_window(self) -> tuple[int, int, int]:
         """The same for a halo after a slab: its strip's first ``padding`` rows."""
         return self.rows_after, 0, self.reached_last
+
+    def strip_taps(self, window: tuple[int, int, int]) -> StripTaps:
+        """The kernel taps along the sharded dim that carry a halo's rows into the window's used rows, and the rows they reach.
+
+        Every other tap only writes strip rows that are cut away, so a halo's transposed convolution
+        needs only these: for 4x4 stride 2 padding 1, one tap of four, whose output is just the used row.
+        """
+        rows, first, count = window
+        stride, dilation = self._along(self.stride), self._along(self.dilation)
+        hits = [(tap, out) for tap in range(self.kernel) for row in range(rows) if first <= (out := row * stride + tap * dilation) < first + count]
+        taps, reached = [tap for tap, _ in hits], [out for _, out in hits]
+        tap = min(taps)
+        return StripTaps(tap, max(taps) - tap + 1, min(reached) - first, max(reached) - min(reached) + 1, min(reached) - tap * dilation)
+
+
+class StripTaps(NamedTuple):
+    """A halo's share of the output, computed from the kernel taps that reach the used rows only."""
+
+    tap: int  # the first of them along the sharded dim
+    taps: int  # how many, from ``tap`` on
+    offset: int  # the first row they reach, counted from the window's first used row
+    rows: int  # the rows they reach (the window's other rows get nothing from this halo)
+    strip_row: int  # where that first row lies in the output of the halo's convolution with these taps
 
 
 def eligible_transposed_geometry(
@@ -120,29 +139,33 @@ def eligible_transposed_geometry(
     return geometry
 
 
-def _strip_output(halo: torch.Tensor, weight: torch.Tensor, geometry: TransposedHaloGeometry, window: tuple[int, int, int]) -> torch.Tensor:
-    """The rows of a halo's transposed convolution that land in this rank's outputs."""
-    _, first, count = window
+def _strip_output(halo: torch.Tensor, weight: torch.Tensor, geometry: TransposedHaloGeometry, taps: StripTaps) -> torch.Tensor:
+    """The rows of a halo's transposed convolution that land in this rank's outputs, from the taps that reach them."""
     padding, output_padding = geometry.strip_args()
     conv = _CONV_TRANSPOSE_BY_DIMS[halo.ndim - 2]
-    out = conv(halo, weight, None, geometry.stride, padding, output_padding, geometry.groups, geometry.dilation)
-    return out.narrow(geometry.dim, first, count)
+    kernel = weight.narrow(geometry.dim, taps.tap, taps.taps)
+    out = conv(halo, kernel, None, geometry.stride, padding, output_padding, geometry.groups, geometry.dilation)
+    return out.narrow(geometry.dim, taps.strip_row, taps.rows)
 
 
 def _strip_backward(
     grad_rows: torch.Tensor, strip_input: torch.Tensor, weight: torch.Tensor, geometry: TransposedHaloGeometry,
-    window: tuple[int, int, int], mask: list[bool],
-) -> tuple:
-    """``convolution_backward`` of :func:`_strip_output`: ``grad_rows`` placed in the strip, zeros elsewhere."""
-    _, first, count = window
-    dim = geometry.dim
-    extent = geometry.strip_extent(strip_input.shape[dim])
-    grad = grad_rows.new_zeros(with_extent(grad_rows.shape, dim, extent))
-    grad.narrow(dim, first, count).copy_(grad_rows)
+    taps: StripTaps, mask: list[bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``convolution_backward`` of :func:`_strip_output` from the gradient of the rows it reaches: the
+    halo's input gradient, and the gradient of the taps it used."""
+    dim, dilation = geometry.dim, geometry._along(geometry.dilation)
+    extent = (strip_input.shape[dim] - 1) * geometry._along(geometry.stride) + (taps.taps - 1) * dilation + 1
+    grad = grad_rows
+    if (taps.strip_row, taps.rows) != (0, extent):  # the reached rows are part of the strip: zeros elsewhere
+        grad = grad_rows.new_zeros(with_extent(grad_rows.shape, dim, extent))
+        grad.narrow(dim, taps.strip_row, taps.rows).copy_(grad_rows)
     padding, output_padding = geometry.strip_args()
-    return torch.ops.aten.convolution_backward(
-        grad, strip_input, weight, None, geometry.stride, padding, geometry.dilation, True, output_padding, geometry.groups, mask
+    grad_input, grad_weight, _ = torch.ops.aten.convolution_backward(
+        grad, strip_input, weight.narrow(dim, taps.tap, taps.taps), None, geometry.stride, padding, geometry.dilation,
+        True, output_padding, geometry.groups, mask,
     )
+    return grad_input, grad_weight
 
 
 class _HaloConvTranspose(torch.autograd.Function):
@@ -164,7 +187,8 @@ class _HaloConvTranspose(torch.autograd.Function):
         if next_rows is not None and after[2]:
             halos.append((next_rows, after, y.shape[dim] - after[2]))
         for halo, window, start in halos:
-            y.narrow(dim, start, window[2]).add_(_strip_output(halo, weight, geometry, window))
+            taps = geometry.strip_taps(window)
+            y.narrow(dim, start + taps.offset, taps.rows).add_(_strip_output(halo, weight, geometry, taps))
         ctx.save_for_backward(local, weight, *(halo for halo, _, _ in halos))
         ctx.placements = tuple((window, start) for _, window, start in halos)
         ctx.geometry, ctx.has_bias = geometry, bias is not None
@@ -189,8 +213,10 @@ class _HaloConvTranspose(torch.autograd.Function):
         )
         if need_weight:  # the halos' share of the weight gradient
             for halo, (window, start) in zip(halos, ctx.placements):
-                grad_rows = grad.narrow(dim, start, window[2])
-                grad_weight.add_(_strip_backward(grad_rows, halo, weight, geometry, window, [False, True, False])[1])
+                taps = geometry.strip_taps(window)
+                grad_rows = grad.narrow(dim, start + taps.offset, taps.rows)
+                share = _strip_backward(grad_rows, halo, weight, geometry, taps, [False, True, False])[1]
+                grad_weight.narrow(dim, taps.tap, taps.taps).add_(share)
         if need_input:
             prev_grad, next_grad = received_rows(pending, geometry.group)
             # the previous rank's last outputs read our first rows as its halo after; the next rank's first, our last as its halo before
@@ -198,7 +224,9 @@ class _HaloConvTranspose(torch.autograd.Function):
                 if neighbour_grad is None:
                     continue
                 strip = local.new_empty(with_extent(local.shape, dim, window[0]))
-                share = _strip_backward(neighbour_grad, strip, weight, geometry, window, [True, False, False])[0]
+                taps = geometry.strip_taps(window)
+                grad_rows = neighbour_grad.narrow(dim, taps.offset, taps.rows)
+                share = _strip_backward(grad_rows, strip, weight, geometry, taps, [True, False, False])[0]
                 grad_input.narrow(dim, start, window[0]).add_(share)
         return in_input_dtypes(ctx, grad_input, grad_weight, grad_bias)
 

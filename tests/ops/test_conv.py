@@ -272,6 +272,9 @@ def _upsampling_on_the_slab(world, name):
             lambda: nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=2), (1, 4, 3 * world, 6), 2, 1,
         ),
         "k5_s2_p2_op1_1d": (lambda: nn.ConvTranspose1d(3, 2, 5, stride=2, padding=2, output_padding=1), (2, 3, 4 * world + 3), 2, 1),
+        "k6_d2_s2_p5_halo_rows_skip_a_row": (
+            lambda: nn.ConvTranspose2d(2, 3, 6, stride=2, padding=5, output_padding=1, dilation=2), (1, 2, 3 * world + 1, 4), 2, 3,
+        ),
         "k3_d2_s3_p2_3d": (
             lambda: nn.ConvTranspose3d(2, 3, 3, stride=3, padding=2, dilation=2, output_padding=2), (1, 2, 3, 3 * world + 1, 4), 3, 2,
         ),
@@ -286,7 +289,9 @@ def _upsampling_on_the_slab(world, name):
     return True
 
 
-@pytest.mark.parametrize("name", ["k4_s2_p1", "k2_s2_nobias", "k3_s2_p1_op1_groups", "k5_s2_p2_op1_1d", "k3_d2_s3_p2_3d"])
+@pytest.mark.parametrize(
+    "name", ["k4_s2_p1", "k2_s2_nobias", "k3_s2_p1_op1_groups", "k5_s2_p2_op1_1d", "k6_d2_s2_p5_halo_rows_skip_a_row", "k3_d2_s3_p2_3d"]
+)
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_upsampling_transposed_convs_run_on_the_slab_without_copying_it(world, name):
     assert all(run_on_ranks(world, _upsampling_on_the_slab, world, name))
