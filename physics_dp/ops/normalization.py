@@ -176,17 +176,16 @@ class _ChannelNorm(torch.autograd.Function):
         var = m2 / total
         rstd = torch.rsqrt(var + eps)
         mean_c, rstd_c = layout.per_channel(mean, channels), layout.per_channel(rstd, channels)
-        scale = rstd_c if weight is None else rstd_c * weight.double()
-        shift = -mean_c * scale if bias is None else bias.double() - mean_c * scale
+        scale = rstd_c if weight is None else rstd_c * weight  # float64: the parameters promote in the kernel
+        shift = -mean_c * scale if bias is None else bias - mean_c * scale
         y = None if local is None else _rescaled(local, scale, shift)
         y = _scale_shift(x3, scale, shift) if y is None else y
         ctx.save_for_backward(x3, weight, bias)
-        ctx.stats = (mean, rstd, total, scale)
+        ctx.stats = (mean, rstd, total, scale, mean_c, rstd_c)
         ctx.layout, ctx.groups, ctx.eps = layout, groups, eps
         ctx.has_bias = bias is not None
-        out_mean, out_var = mean.to(x3.dtype), var.to(x3.dtype)
-        ctx.mark_non_differentiable(out_mean, out_var)
-        return y, out_mean, out_var
+        ctx.mark_non_differentiable(mean, var)
+        return y, mean, var  # the statistics in float64, for the running averages
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor, _mean_grad: torch.Tensor, _var_grad: torch.Tensor):  # type: ignore[override]
@@ -194,10 +193,9 @@ class _ChannelNorm(torch.autograd.Function):
             return (*_differentiated(ctx, grad, _channel_norm_again), None, None, None)
         grad = grad.contiguous()
         x3, weight, _ = ctx.saved_tensors
-        mean, rstd, total, scale = ctx.stats
+        mean, rstd, total, scale, mean_c, rstd_c = ctx.stats
         layout = ctx.layout
         n, channels, length = x3.shape
-        mean_c, rstd_c = layout.per_channel(mean, channels), layout.per_channel(rstd, channels)
         if layout.per_sample:  # statistics per (sample, channel): one row each
             rows = (1, n * channels, length)
             sums = _row_sums(grad.reshape(rows), x3.reshape(rows), mean_c, rstd_c).view(2, n, channels)
@@ -208,7 +206,7 @@ class _ChannelNorm(torch.autograd.Function):
         s1, s2 = sums  # per (sample or batch, channel): sum dy, sum dy * xhat over the global grid
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            w = 1.0 if weight is None else weight.double()
+            w = 1.0 if weight is None else weight  # promoted to float64 by the sums
             sum_g = layout.per_stat(w * s1)  # sum of dL/dxhat
             sum_g_xhat = layout.per_stat(w * s2)  # sum of dL/dxhat * xhat
             beta = -rstd.square() * sum_g_xhat / total
