@@ -52,10 +52,10 @@ class Case:
     slab_attends_to_all: bool = False
 
 
-def _conv(weight_grad: bool) -> Callable:
+def _conv(weight_grad: bool, stride: int = 1) -> Callable:
     def build(gen: torch.Generator, shape: tuple[int, ...]):
         weight = (torch.randn(shape[1], shape[1], 3, 3, generator=gen) * 0.05).requires_grad_(weight_grad)
-        return lambda t: F.conv2d(t, weight, padding=1)
+        return lambda t: F.conv2d(t, weight, stride=stride, padding=1)
 
     return build
 
@@ -90,6 +90,7 @@ def _attention(t: torch.Tensor) -> torch.Tensor:
 CASES = [
     Case("conv2d 3x3, no weight grad", (1, 32, 256, 256), 2, (1, 1), "compute", _conv(False)),
     Case("conv2d 3x3, weight grad", (1, 32, 256, 256), 2, (1, 1), "compute", _conv(True)),
+    Case("conv2d 3x3 stride 2, weight grad", (1, 32, 256, 256), 2, (1, 0), "compute", _conv(True, stride=2)),
     Case("conv_transpose2d 4x4 s2", (1, 32, 128, 128), 2, (1, 1), "compute", _conv_transpose),
     Case("group_norm 8 groups", (1, 64, 256, 256), 2, (0, 0), "memory", _group_norm),
     Case("batch_norm (training)", (4, 32, 128, 128), 2, (0, 0), "memory", _batch_norm),

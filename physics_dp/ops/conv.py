@@ -260,10 +260,13 @@ def _conv(func: Any, bound: dict[str, Any], nd: int) -> ShardTensor:
     spec, axis_of = x._spec, _axis_of(x)
     padding = _conv_padding(bound["padding"], bound["weight"].shape[2:], per_dim(bound["dilation"], nd), nd)
     geometry = _halo_conv_geometry(x, bound, nd, padding)
-    if geometry is not None:
-        weight, bias = local_param(bound["weight"], x), local_param(bound["bias"], x)
-        return wrap_local(halo_conv(local_input(x), weight, bias, geometry), x, out_shape, spec.axis_sizes)
     stencils = _stencils(bound, nd, [left for left, _ in padding])
+    if geometry is not None:
+        axis, i = axis_of[geometry.dim], geometry.dim - (x.ndim - nd)
+        axis_sizes = list(spec.axis_sizes)
+        axis_sizes[axis] = conv_output_split(spec.axis_sizes[axis], out_shape[geometry.dim], *stencils[i])
+        weight, bias = local_param(bound["weight"], x), local_param(bound["bias"], x)
+        return wrap_local(halo_conv(local_input(x), weight, bias, geometry), x, out_shape, axis_sizes)
     spatial = list(enumerate(range(x.ndim - nd, x.ndim)))
     axis_sizes, windows, counts = list(spec.axis_sizes), {}, {}
     for i, dim in spatial:

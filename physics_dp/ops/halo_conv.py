@@ -1,48 +1,75 @@
-"""The common convolution, stride 1 and 'same' along one sharded dim, without copying the slab.
+"""The 'same'-padded convolution along one sharded dim, any stride, without copying the slab.
 
-A convolution is linear in its input, so the output of a slab with its halo rows equals the
-plain convolution of the slab alone (zero padded: torch's own op on the rank's data, no copy)
-plus the contribution of the halo rows, which only reaches the first and last ``r`` output
-rows (``r`` = the padding, half the kernel's span).  The halo exchange starts first, the slab's
-convolution runs while it is in flight, then each received halo is convolved with the few
-kernel rows whose taps reach it (one row of a 3x3 kernel) and added to the boundary rows.
-The backward mirrors it: the output gradient's ``r`` boundary rows travel to the neighbours
-while the slab's ``convolution_backward`` runs (only the gradients autograd asks for), then the
-neighbours' rows add their share to the boundary of the input gradient, and the halos add theirs
-to those kernel rows' weight gradient.  A double backward (``create_graph=True``) instead
-differentiates the same convolution written with the differentiable window gather (:mod:`.halo`):
-slower, but only that case pays for it.
+A convolution is linear in its input.  With zero padding ``p`` on both sides, ``2 p`` equal to the
+kernel's span, and every rank's first row a multiple of the stride ``s``, torch's own op on the
+slab alone (zero padded: the rank's data, no copy) yields exactly this rank's outputs (the ones
+the general path assigns it: ``n / s`` per shard of ``n`` rows) except for what the neighbours'
+rows add to a few boundary outputs:
 
-Eligible: stride 1, zero padding ``r`` on both sides with ``2 r`` equal to the kernel's span,
-one sharded spatial dim, and every shard at least ``r`` rows (halos come from adjacent ranks
-only).  Everything else takes the general window-gather path in :mod:`.conv`.
+- the previous rank's last ``p`` rows reach the first ``ceil(p / s)`` outputs;
+- the next rank's first ``p - s + 1`` rows reach the last ``p // s`` (none for 3x3 stride 2).
+
+The halo exchange starts first, the slab's convolution runs while it is in flight, then each
+received halo is convolved, with only the kernel rows whose taps reach it (one row of a 3x3
+kernel) and zeros for the slab's rows they also span, and added to the boundary outputs.  The
+backward mirrors it: the output gradient's boundary rows travel to the neighbours while the
+slab's ``convolution_backward`` runs (only the gradients autograd asks for), then the
+neighbours' rows add their share to the boundary of the input gradient, and the halos add
+theirs to those kernel rows' weight gradient.  A double backward (``create_graph=True``)
+instead differentiates the same convolution written with the differentiable window gather
+(:mod:`.halo`): slower, but only that case pays for it.
+
+Eligible: zero padding ``p`` on both sides with ``2 p`` the kernel's span (``p = 0``: a kernel of
+one row along the sharded dim, which needs no halo at all), one sharded spatial dim, every shard
+but the last a multiple of the stride, and every shard at least ``max(p, 1)`` rows (halos come
+from adjacent ranks only).  Everything else takes the general window-gather path in :mod:`.conv`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from functools import cached_property
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
-from .halo import exchange_boundary_rows, gather_window, received_rows, uniform_windows, with_extent
+from .halo import gather_window, received_rows, start_edge_exchange, uniform_windows, with_extent
 from .grad_sums import creating_graph
 
-__all__ = ["HaloConvGeometry", "halo_conv", "autocast_inputs", "differentiated_rerun", "in_input_dtypes"]
+__all__ = ["HaloConvGeometry", "HaloStrip", "halo_conv", "autocast_inputs", "differentiated_rerun", "in_input_dtypes"]
 
 _CONV_BY_DIMS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
+class HaloStrip(NamedTuple):
+    """One boundary's strip: ``zeros_before`` zero rows, ``rows`` halo rows, ``zeros_after`` zero rows
+    (the zeros stand for slab rows, whose share the slab's own convolution has), convolved without
+    padding along the sharded dim by kernel rows ``first_tap .. first_tap + taps`` into the
+    ``outputs`` boundary outputs they reach.
+
+    The halo's first row lies ``halo_start`` rows from the boundary: before a slab (``-p``), the
+    previous rank's last rows; after it (``>= 0``), the next rank's first ones.
+    """
+
+    first_tap: int
+    taps: int
+    halo_start: int
+    rows: int
+    zeros_before: int
+    zeros_after: int
+    outputs: int
+
+
 @dataclass(frozen=True)
 class HaloConvGeometry:
-    """Everything but the tensors: the sharded dim, its reach, and the conv's own arguments."""
+    """Everything but the tensors: the sharded dim, what crosses each boundary, and the conv's own arguments."""
 
     dim: int  # tensor dim of the sharded spatial dim
-    reach: int  # r: rows needed from each neighbour
+    kernel: int  # kernel extent along it
     padding: tuple[int, ...]  # per spatial dim, for the slab's own convolution
     stride: tuple[int, ...]
     dilation: tuple[int, ...]
@@ -52,47 +79,86 @@ class HaloConvGeometry:
     has_prev: bool
     has_next: bool
 
+    def _along(self, values: tuple[int, ...]) -> int:
+        return values[self.dim - 2]
+
     def strip_padding(self) -> tuple[int, ...]:
         """The halo strips are convolved without padding along the sharded dim."""
         padding = list(self.padding)
         padding[self.dim - 2] = 0
         return tuple(padding)
 
-    def reaching_rows(self, kernel: int, before: bool) -> tuple[int, int]:
-        """(first, count) of the kernel rows along the sharded dim whose taps reach a halo.
+    @cached_property
+    def before(self) -> HaloStrip | None:
+        """The previous rank's rows: output ``t`` reads local rows ``t s - p + k d``, the halo where
+        negative; None for a kernel of one row (``p = 0``), which reads no neighbour's rows."""
+        p, s, d = self._along(self.padding), self._along(self.stride), self._along(self.dilation)
+        if p == 0:
+            return None
+        taps, outputs = -(-p // d), -(-p // s)  # the k with k d < p; the t with t s < p
+        extent = (outputs - 1) * s + d * (taps - 1) + 1
+        rows = min(p, extent)  # with stride > 1 the last halo rows may fall between taps
+        return HaloStrip(0, taps, -p, rows, 0, extent - rows, outputs)
 
-        ``before``: the previous rank's rows, reached from the first ``r`` outputs by the rows
-        k with k * dilation < r; else the next rank's, reached from the last ``r`` by those with
-        k * dilation > r.
-        """
-        dilation, r = self.dilation[self.dim - 2], self.reach
-        if before:
-            return 0, (r - 1) // dilation + 1
-        first = -(-(r + 1) // dilation)
-        return first, kernel - first
+    @cached_property
+    def after(self) -> HaloStrip | None:
+        """The next rank's rows, reached by the last ``p // s`` outputs through kernel rows ``k d >= p + s``;
+        None where none are (``p < s``)."""
+        p, s, d = self._along(self.padding), self._along(self.stride), self._along(self.dilation)
+        outputs = p // s
+        if outputs == 0:
+            return None
+        first_tap = -(-(p + s) // d)
+        extent = (outputs - 1) * s + d * (self.kernel - 1 - first_tap) + 1
+        gap = outputs * s + p - first_tap * d  # strip rows before the halo (negative: halo rows skipped)
+        return HaloStrip(first_tap, self.kernel - first_tap, max(-gap, 0), extent - max(gap, 0), max(gap, 0), 0, outputs)
 
-    def strip_gap(self, count: int) -> int:
-        """Zero rows between a halo and the ``r`` output rows it reaches through ``count`` kernel rows (0 for 3 rows)."""
-        return (count - 1) * self.dilation[self.dim - 2]
+    def strips(self, output_rows: int) -> list[tuple[HaloStrip, int, int]]:
+        """(strip, neighbour's group rank offset, first output row it reaches) for each boundary with a neighbour."""
+        before, after = self.before, self.after
+        found = [(before, -1, 0)] if self.has_prev and before is not None else []
+        if self.has_next and after is not None:
+            found.append((after, 1, output_rows - after.outputs))
+        return found
 
 
-def _exchange_rows(local: torch.Tensor, geometry: HaloConvGeometry) -> collectives.PendingExchange:
-    """The ``r`` boundary rows each way: the forward's input halo and the backward's output-gradient halo."""
-    r_prev, r_next = geometry.reach * geometry.has_prev, geometry.reach * geometry.has_next
-    return exchange_boundary_rows(local, geometry.dim, geometry.group, r_prev, r_next, r_prev, r_next)
+def _exchange_halos(local: torch.Tensor, geometry: HaloConvGeometry) -> collectives.PendingExchange:
+    """Start sending this slab's rows that the neighbours' strips hold, and receiving ours."""
+    dim = geometry.dim
+    extent = local.shape[dim]
+    before, after = geometry.before, geometry.after
+    to_prev = local.narrow(dim, after.halo_start, after.rows) if geometry.has_prev and after is not None else None
+    to_next = local.narrow(dim, extent + before.halo_start, before.rows) if geometry.has_next and before is not None else None
+    from_prev = before.rows if geometry.has_prev and before is not None else 0
+    from_next = after.rows if geometry.has_next and after is not None else 0
+    return start_edge_exchange(to_prev, to_next, local.shape, from_prev, from_next, dim, geometry.group, local)
 
 
-def _strip(halo: torch.Tensor, geometry: HaloConvGeometry, count: int, before: bool) -> torch.Tensor:
-    """The rows that ``count`` kernel rows see around a boundary, only the halo's nonzero: ``r`` output rows' worth.
+def _exchange_boundary_grads(grad: torch.Tensor, geometry: HaloConvGeometry) -> collectives.PendingExchange:
+    """Start sending the gradient of our boundary outputs to the neighbours whose rows reached them, and receiving theirs."""
+    dim = geometry.dim
+    extent = grad.shape[dim]
+    before, after = geometry.before, geometry.after
+    before_outputs, after_outputs = (0 if strip is None else strip.outputs for strip in (before, after))
+    to_prev = grad.narrow(dim, 0, before_outputs) if geometry.has_prev else None
+    to_next = grad.narrow(dim, extent - after_outputs, after_outputs) if geometry.has_next else None
+    from_prev = after_outputs if geometry.has_prev else 0
+    from_next = before_outputs if geometry.has_next else 0
+    return start_edge_exchange(to_prev, to_next, grad.shape, from_prev, from_next, dim, geometry.group, grad)
 
-    The halo, then zeros in place of the slab's rows (before), or zeros then the halo; for a
-    kernel of 3 rows it is the halo alone.
-    """
-    gap = geometry.strip_gap(count)
-    if gap == 0:
-        return halo
-    zeros = halo.new_zeros(with_extent(halo.shape, geometry.dim, gap))
-    return torch.cat([halo, zeros] if before else [zeros, halo], geometry.dim)
+
+def _strip(halo: torch.Tensor, geometry: HaloConvGeometry, strip: HaloStrip) -> torch.Tensor:
+    """The halo between the zero rows its strip needs (for a kernel of 3 rows, the halo alone)."""
+    dim = geometry.dim
+    pieces = [halo.new_zeros(with_extent(halo.shape, dim, strip.zeros_before))] if strip.zeros_before else []
+    pieces.append(halo)
+    if strip.zeros_after:
+        pieces.append(halo.new_zeros(with_extent(halo.shape, dim, strip.zeros_after)))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+
+
+def _taps(weight: torch.Tensor, geometry: HaloConvGeometry, strip: HaloStrip) -> torch.Tensor:
+    return weight.narrow(geometry.dim, strip.first_tap, strip.taps)
 
 
 def _conv_backward(grad: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, geometry: HaloConvGeometry, mask: list[bool]):
@@ -109,24 +175,19 @@ class _HaloConv(torch.autograd.Function):
         ctx, local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geometry: HaloConvGeometry
     ) -> torch.Tensor:
         conv = _CONV_BY_DIMS[local.ndim - 2]
-        dim, r = geometry.dim, geometry.reach
+        dim = geometry.dim
         ctx.dtypes = (local.dtype, weight.dtype, None if bias is None else bias.dtype)
         local, weight, bias = autocast_inputs(local, weight, bias)  # the backward then sees one dtype
-        pending = _exchange_rows(local, geometry)
+        pending = _exchange_halos(local, geometry)
         y = conv(local, weight, bias, geometry.stride, geometry.padding, geometry.dilation, geometry.groups)
-        prev_rows, next_rows = received_rows(pending, geometry.group)
-        strips, boundaries = [], []  # boundaries: (first output row corrected, whether the halo comes before)
-        for rows, start, before in ((prev_rows, 0, True), (next_rows, y.shape[dim] - r, False)):
-            if rows is None:
-                continue
-            first, count = geometry.reaching_rows(weight.shape[dim], before)
-            strip = _strip(rows, geometry, count, before)
-            part = weight.narrow(dim, first, count)
-            y.narrow(dim, start, r).add_(conv(strip, part, None, geometry.stride, geometry.strip_padding(), geometry.dilation, geometry.groups))
+        received = dict(zip((-1, 1), received_rows(pending, geometry.group)))
+        strips = []
+        for plan, side, first in geometry.strips(y.shape[dim]):
+            strip = _strip(received[side], geometry, plan)
+            part = _taps(weight, geometry, plan)
+            y.narrow(dim, first, plan.outputs).add_(conv(strip, part, None, geometry.stride, geometry.strip_padding(), geometry.dilation, geometry.groups))
             strips.append(strip)
-            boundaries.append((start, before))
         ctx.save_for_backward(local, weight, *strips)
-        ctx.boundaries = tuple(boundaries)
         ctx.geometry, ctx.has_bias = geometry, bias is not None
         return y
 
@@ -136,30 +197,29 @@ class _HaloConv(torch.autograd.Function):
             return _differentiable_backward(ctx, grad)
         local, weight, *strips = ctx.saved_tensors
         geometry: HaloConvGeometry = ctx.geometry
-        dim, r = geometry.dim, geometry.reach
+        dim = geometry.dim
+        extent = local.shape[dim]
         need_input, need_weight, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        pending = _exchange_rows(grad, geometry) if need_input else None
+        pending = _exchange_boundary_grads(grad, geometry) if need_input else None
         grad_input, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
             grad, local, weight, [weight.shape[0]] if ctx.has_bias else None,
             geometry.stride, geometry.padding, geometry.dilation, False, [0] * len(geometry.padding), geometry.groups,
             [need_input, need_weight, need_bias and ctx.has_bias],
         )
-        kernel = weight.shape[dim]
         if need_weight:  # the halo rows' share of the weight gradient, in the kernel rows that reach them
-            for strip, (start, before) in zip(strips, ctx.boundaries):
-                first, count = geometry.reaching_rows(kernel, before)
-                part = weight.narrow(dim, first, count)
-                share = _conv_backward(grad.narrow(dim, start, r), strip, part, geometry, [False, True, False])[1]
-                grad_weight.narrow(dim, first, count).add_(share)
-        if need_input and ctx.boundaries:  # the neighbours' boundary outputs read r of our rows each
+            for strip, (plan, _, first) in zip(strips, geometry.strips(grad.shape[dim])):
+                share = _conv_backward(grad.narrow(dim, first, plan.outputs), strip, _taps(weight, geometry, plan), geometry, [False, True, False])[1]
+                _taps(grad_weight, geometry, plan).add_(share)
+        if need_input:  # the neighbours' boundary outputs read some of our rows: their share of our gradient
             prev_grad, next_grad = received_rows(pending, geometry.group)
-            for neighbour_grad, (start, before) in zip((g for g in (prev_grad, next_grad) if g is not None), ctx.boundaries):
-                # our first rows are the previous rank's halo after its slab, our last rows the next rank's halo before
-                first, count = geometry.reaching_rows(kernel, not before)
-                gap = geometry.strip_gap(count)
-                strip = local.new_empty(with_extent(local.shape, dim, r + gap))
-                strip_grad = _conv_backward(neighbour_grad, strip, weight.narrow(dim, first, count), geometry, [True, False, False])[0]
-                grad_input.narrow(dim, start, r).add_(strip_grad.narrow(dim, gap if before else 0, r))
+            # our first rows fed the previous rank's strip after its slab, our last rows the next rank's strip before it
+            for neighbour_grad, plan, boundary in ((prev_grad, geometry.after, 0), (next_grad, geometry.before, extent)):
+                if neighbour_grad is None:
+                    continue
+                first_row = boundary + plan.halo_start
+                strip = local.new_empty(with_extent(local.shape, dim, plan.zeros_before + plan.rows + plan.zeros_after))
+                strip_grad = _conv_backward(neighbour_grad, strip, _taps(weight, geometry, plan), geometry, [True, False, False])[0]
+                grad_input.narrow(dim, first_row, plan.rows).add_(strip_grad.narrow(dim, plan.zeros_before, plan.rows))
         return in_input_dtypes(ctx, grad_input, grad_weight, grad_bias)
 
 
@@ -169,10 +229,11 @@ def _differentiable_backward(ctx, grad: torch.Tensor) -> tuple:
 
     def rerun(local: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         geometry: HaloConvGeometry = ctx.geometry
-        r = geometry.reach
-        window = gather_window(local, geometry.dim, geometry.sizes, uniform_windows(geometry.sizes, r, r), group=geometry.group)
+        p = geometry._along(geometry.padding)
+        window = gather_window(local, geometry.dim, geometry.sizes, uniform_windows(geometry.sizes, p, p), group=geometry.group)
         conv = _CONV_BY_DIMS[local.ndim - 2]
-        return conv(window, weight, None, geometry.stride, geometry.strip_padding(), geometry.dilation, geometry.groups)
+        y = conv(window, weight, None, geometry.stride, geometry.strip_padding(), geometry.dilation, geometry.groups)
+        return y.narrow(geometry.dim, 0, grad.shape[geometry.dim])
 
     return differentiated_rerun(ctx, grad, rerun, "halo convolution")
 
@@ -238,13 +299,18 @@ def eligible_geometry(
     dim_padding: tuple[int, int],
     **conv_args: Any,
 ) -> HaloConvGeometry | None:
-    """The geometry when the sharded dim's conv is stride 1, zero 'same' padding and every shard holds its reach.
+    """The geometry when the sharded dim's conv has zero 'same' padding, every shard but the last is a
+    multiple of the stride (each rank's outputs start at its first row / stride) and every shard
+    holds the ``p`` rows a neighbour needs.
 
     ``dim_*`` describe the sharded dim; ``conv_args`` are the remaining geometry fields.
     """
     left, right = dim_padding
-    reach = left
     span = dim_dilation * (dim_kernel - 1)
-    if dim_stride != 1 or left != right or 2 * reach != span or reach == 0 or min(sizes) < reach:
+    if left != right or 2 * left != span or min(sizes) < max(left, 1):
         return None
-    return HaloConvGeometry(dim=dim, reach=reach, sizes=tuple(sizes), has_prev=me > 0, has_next=me < len(sizes) - 1, **conv_args)
+    if any(size % dim_stride for size in sizes[:-1]):
+        return None
+    return HaloConvGeometry(
+        dim=dim, kernel=dim_kernel, sizes=tuple(sizes), has_prev=me > 0, has_next=me < len(sizes) - 1, **conv_args
+    )

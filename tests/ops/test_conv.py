@@ -15,6 +15,7 @@ from torch import nn
 from physics_dp.distributed.collectives import count_communication
 from physics_dp.ops._local import ShardedOpError
 from physics_dp.ops.conv import conv_output_split, transposed_output_split
+from physics_dp.ops.halo import with_extent
 from physics_dp.shard_tensor import Partial, Replicate, Shard, ShardTensor, distribute_tensor
 from physics_dp.testing import forward_backward_traffic, get_mesh, run_on_ranks
 from physics_dp.testing.compare import assert_sharded_matches
@@ -199,11 +200,12 @@ def test_output_splits_keep_same_convolutions_aligned_and_strided_ones_exact():
 
 
 # ----- communication ------------------------------------------------------------------------------
-def _conv_bytes(mesh_shape, kernel, stride, padding):
+def _conv_bytes(mesh_shape, kernel, stride, padding, h_sizes=None):
     """Bytes each rank sends in a conv2d's forward and backward, by kind."""
     mesh = get_mesh(mesh_shape)
     placements = [Shard(2)] if mesh.ndim == 1 else [Shard(2), Shard(3)]
-    x = distribute_tensor(torch.randn(2, 3, 12, 8), mesh, placements).requires_grad_(True)
+    sizes = None if h_sizes is None else {0: h_sizes}
+    x = distribute_tensor(torch.randn(2, 3, 12, 8), mesh, placements, sharding_sizes=sizes).requires_grad_(True)
     conv = nn.Conv2d(3, 4, kernel, stride=stride, padding=padding)
     return (tuple(mesh.get_coordinate()), *forward_backward_traffic(conv, x))
 
@@ -295,6 +297,60 @@ def _upsampling_on_the_slab(world, name):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_upsampling_transposed_convs_run_on_the_slab_without_copying_it(world, name):
     assert all(run_on_ranks(world, _upsampling_on_the_slab, world, name))
+
+
+def _strided_on_the_slab(world, name):
+    """Strided 'same'-padded convs (and one-row kernels) over shards that are multiples of the stride
+    (the last one need not be), with the window gather forbidden."""
+    import physics_dp.ops.conv as conv
+
+    # the layer, the global input shape with the sharded extent set to 0, the sharded dim, its stride,
+    # and the smallest shard (a multiple of the stride holding the halo)
+    factory, shape, dim, stride, small = {
+        "k3_s2_p1": (lambda: nn.Conv2d(3, 4, 3, stride=2, padding=1), (2, 3, 0, 5), 2, 2, 2),
+        "k5_s2_p2_halo_after": (lambda: nn.Conv2d(3, 4, 5, stride=2, padding=2, bias=False), (1, 3, 0, 6), 2, 2, 2),
+        "k3_d2_s2_p2_halo_row_skipped": (lambda: nn.Conv2d(2, 3, 3, stride=2, padding=2, dilation=2), (1, 2, 0, 5), 2, 2, 2),
+        "k9_s2_p4_zeros_around_halos": (lambda: nn.Conv2d(2, 3, 9, stride=2, padding=4), (1, 2, 0, 3), 2, 2, 4),
+        "k7_s3_p3_groups": (lambda: nn.Conv2d(4, 6, 7, stride=3, padding=3, groups=2), (1, 4, 0, 4), 2, 3, 3),
+        "k4_d2_s2_p3_width": (lambda: nn.Conv2d(2, 3, (3, 4), stride=(1, 2), padding=(1, 3), dilation=(1, 2)), (1, 2, 5, 0), 3, 2, 4),
+        "k1_pointwise": (lambda: nn.Conv2d(3, 4, 1), (2, 3, 0, 5), 2, 1, 1),
+        "k1_s2_no_halo": (lambda: nn.Conv2d(3, 4, 1, stride=2, bias=False), (1, 3, 0, 4), 2, 2, 2),
+        "k5_s4_p2_1d": (lambda: nn.Conv1d(3, 2, 5, stride=4, padding=2), (2, 3, 0), 2, 4, 4),
+        "k3_s2_p1_3d": (lambda: nn.Conv3d(2, 3, 3, stride=2, padding=1), (1, 2, 3, 0, 4), 3, 2, 2),
+    }[name]
+    mesh = get_mesh((world,))
+    generator = torch.Generator().manual_seed(5)
+    with window_gather_forbidden(conv, "_gather_sharded"):
+        # balanced shards of 2 strides each; then the smallest shards and a last one that is no multiple
+        for extent, split in ((2 * stride * world, None), (2 * stride * world + 1, "uneven")):
+            x = torch.randn(with_extent(shape, dim, extent), generator=generator)
+            sizes = None if split is None else [{0: [small] * (world - 1) + [extent - small * (world - 1)]}]
+            torch.manual_seed(0)  # a fresh layer each time: parameter gradients accumulate
+            assert_sharded_matches(factory(), [x], mesh, [[Shard(dim)]], sharding_sizes=sizes)
+    return True
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "k3_s2_p1", "k5_s2_p2_halo_after", "k3_d2_s2_p2_halo_row_skipped", "k9_s2_p4_zeros_around_halos", "k7_s3_p3_groups",
+        "k4_d2_s2_p3_width", "k1_pointwise", "k1_s2_no_halo", "k5_s4_p2_1d", "k3_s2_p1_3d",
+    ],
+)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_strided_convs_run_on_the_slab_without_copying_it(world, name):
+    assert all(run_on_ranks(world, _strided_on_the_slab, world, name))
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_strided_conv_sends_one_row_forward_and_one_gradient_row_back(world):
+    # k=3 s=2 p=1 over 12 rows in even shards: a slab's last row reaches the next rank's first output
+    # (nothing reaches back), and that output's gradient row returns
+    row, grad_row = 2 * 3 * 8 * 4, 2 * 4 * 4 * 4
+    sizes = {2: [6, 6], 3: [4, 4, 4], 4: [4, 2, 4, 2]}[world]
+    for (c,), forward, backward in run_on_ranks(world, _conv_bytes, (world,), 3, 2, 1, sizes):
+        assert forward == [("p2p", row)] * (c < world - 1), (c, forward)
+        assert _p2p(backward) == [grad_row] * (c > 0), (c, backward)
 
 
 def _one_by_one_sends_nothing(world):

@@ -112,7 +112,9 @@ def _field(h: int, w: int):
         "conv2d_k5_same_fast_path": (lambda: nn.Conv2d(3, 2, 5, padding=2, bias=False), (1, 3, h, w)),
         "conv1d_same_fast_path": (lambda: nn.Conv1d(3, 4, 3, padding=1), (2, 3, h)),
         "conv3d_same_fast_path": (lambda: nn.Conv3d(3, 2, 3, padding=1), (1, 3, h, w, 4)),
-        "conv2d_stride2_window": (lambda: nn.Conv2d(3, 4, 3, stride=2, padding=1), (2, 3, h, w)),
+        # on 2 ranks ([8, 5] rows) the strided fast path, on 3 ([5, 3, 5]: odd shards) the window gather
+        "conv2d_stride2": (lambda: nn.Conv2d(3, 4, 3, stride=2, padding=1), (2, 3, h, w)),
+        "conv2d_k5_stride2_halo_both_sides": (lambda: nn.Conv2d(3, 2, 5, stride=2, padding=2), (1, 3, h, w)),
         "conv2d_circular_window": (lambda: nn.Conv2d(3, 4, 3, padding=1, padding_mode="circular"), (2, 3, h, w)),
         "conv_transpose2d": (lambda: nn.ConvTranspose2d(3, 4, 3, stride=2, padding=1), (2, 3, h, w)),
         "conv_transpose2d_upsampling_fast_path": (lambda: nn.ConvTranspose2d(3, 4, 4, stride=2, padding=1), (2, 3, h, w)),
