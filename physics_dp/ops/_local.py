@@ -24,6 +24,7 @@ __all__ = [
     "local_input",
     "local_param",
     "wrap_local",
+    "wrap_local_as",
     "sharded_axes",
     "data_axes",
     "sum_grad_over_axes",
@@ -91,7 +92,11 @@ def local_param(param: torch.Tensor | None, like: ShardTensor, axes: Sequence[in
 
 def wrap_local(local: torch.Tensor, like: ShardTensor, shape: Sequence[int], axis_sizes: Sequence[Sequence[int] | None]) -> ShardTensor:
     """Wrap a local result as a ShardTensor on ``like``'s mesh and placements with the given split."""
-    spec = ShardTensorSpec(like.device_mesh, like.placements, shape, axis_sizes)
+    return wrap_local_as(local, ShardTensorSpec(like.device_mesh, like.placements, shape, axis_sizes))
+
+
+def wrap_local_as(local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
+    """Wrap a local result as a ShardTensor of a contiguous ``spec`` (an op handler's output)."""
     if spec.local_shape() != local.shape:
         raise RuntimeError(f"local result of shape {tuple(local.shape)} does not match {spec}: a bug in the op handler")
     return from_local_with_spec(local, spec)

@@ -28,12 +28,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..shard_tensor import Partial, Replicate, ShardTensor
+from ..shard_tensor import Partial, Replicate, ShardTensor, ShardTensorSpec
 from ._args import bind, per_dim, single_device_shape
-from ._local import ShardedOpError, local_input, local_param, sharded_axes, wrap_local
+from ._local import ShardedOpError, local_input, local_param, sharded_axes, wrap_local, wrap_local_as
+from .call_plans import HaloPlan, PlanCache, hashable, layout_key
 from .halo import Window, gather_window
-from .halo_conv import HaloConvGeometry, eligible_geometry, halo_conv
-from .halo_conv_transpose import TransposedHaloGeometry, eligible_transposed_geometry, halo_conv_transpose
+from .halo_conv import eligible_geometry, halo_conv
+from .halo_conv_transpose import eligible_transposed_geometry, halo_conv_transpose
 
 __all__ = [
     "conv_output_split",
@@ -48,6 +49,7 @@ __all__ = [
 
 _CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 _TRANSPOSED_ARGS = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups", "dilation")
+_TENSOR_ARGS = frozenset({"input", "weight", "bias"})
 _PAD_ARGS = ("input", "pad", "mode", "value")
 _DEFAULTS = {
     "bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1, "output_padding": 0,
@@ -207,6 +209,29 @@ def _pad_dim(t: torch.Tensor, dim: int, left: int, right: int) -> torch.Tensor:
     return F.pad(t, pads)
 
 
+# ----- the copy-free halo paths, planned once per call signature -------------------------------
+_HALO_PLANS = PlanCache()
+
+
+def _cached_plan(
+    func: Any, bound: dict[str, Any], nd: int, build: Callable[[Any, dict[str, Any], int], HaloPlan | None]
+) -> HaloPlan | None:
+    x, weight, bias = bound["input"], bound["weight"], bound["bias"]
+    key = (
+        func, layout_key(x), weight.shape, None if bias is None else bias.shape,
+        *(hashable(value) for name, value in bound.items() if name not in _TENSOR_ARGS),
+    )
+    return _HALO_PLANS.plan(key, x.device_mesh, lambda: build(func, bound, nd))
+
+
+def _run_plan(plan: HaloPlan, op: Callable, bound: dict[str, Any]) -> ShardTensor:
+    """``op(slab, weight, bias, geometry, group)`` wrapped with the plan's output spec."""
+    x = bound["input"]
+    weight, bias = local_param(bound["weight"], x), local_param(bound["bias"], x)
+    local = op(local_input(x), weight, bias, plan.geometry, x.device_mesh.get_group(plan.axis))
+    return wrap_local_as(local, plan.out_spec)
+
+
 # ----- convolution ----------------------------------------------------------------------------
 def window_inside(window: Window, extent: int) -> Window:
     """The part of ``window`` inside the grid ``[0, extent)`` (possibly empty)."""
@@ -240,33 +265,37 @@ def _gather_sharded(local: torch.Tensor, x: ShardTensor, windows_by_dim: dict[in
     return local
 
 
-def _halo_conv_geometry(x: ShardTensor, bound: dict[str, Any], nd: int, padding: list[tuple[int, int]]) -> HaloConvGeometry | None:
-    """The geometry of :mod:`.halo_conv`'s copy-free path, when the conv is eligible for it."""
+def _halo_conv_plan(func: Any, bound: dict[str, Any], nd: int) -> HaloPlan | None:
+    """:mod:`.halo_conv`'s copy-free path for this call, when the conv is eligible for it."""
+    x = bound["input"]
+    out_shape = single_device_shape(func, bound)  # torch's own errors for invalid arguments, first
     spatial_shards = [(axis, dim) for axis, dim in sharded_axes(x) if dim >= x.ndim - nd]
+    padding = _conv_padding(bound["padding"], bound["weight"].shape[2:], per_dim(bound["dilation"], nd), nd)
     if x.ndim != nd + 2 or len(spatial_shards) != 1 or any(left != right for left, right in padding):
         return None  # unbatched inputs, 2-D decompositions and asymmetric padding take the general path
     (axis, dim), i = spatial_shards[0], spatial_shards[0][1] - (x.ndim - nd)
-    stride, dilation = per_dim(bound["stride"], nd), per_dim(bound["dilation"], nd)
-    return eligible_geometry(
-        x._spec.axis_sizes[axis], x._spec.coordinate()[axis], dim, bound["weight"].shape[2 + i], stride[i],
-        dilation[i], padding[i], padding=tuple(left for left, _ in padding), stride=tuple(stride),
-        dilation=tuple(dilation), groups=bound["groups"], group=x.device_mesh.get_group(axis),
+    spec, stencils = x._spec, _stencils(bound, nd, [left for left, _ in padding])
+    kernel, stride, dilation = (tuple(stencil[field] for stencil in stencils) for field in range(3))
+    geometry = eligible_geometry(
+        spec.axis_sizes[axis], spec.coordinate()[axis], dim, kernel[i], stride[i], dilation[i], padding[i],
+        padding=tuple(left for left, _ in padding), stride=stride, dilation=dilation, groups=bound["groups"],
     )
+    if geometry is None:
+        return None
+    axis_sizes = list(spec.axis_sizes)
+    axis_sizes[axis] = conv_output_split(spec.axis_sizes[axis], out_shape[dim], *stencils[i])
+    return HaloPlan(geometry, axis, ShardTensorSpec(spec.mesh, spec.placements, out_shape, axis_sizes))
 
 
 def _conv(func: Any, bound: dict[str, Any], nd: int) -> ShardTensor:
+    plan = _cached_plan(func, bound, nd, _halo_conv_plan)
+    if plan is not None:
+        return _run_plan(plan, halo_conv, bound)
     x = bound["input"]
     out_shape = single_device_shape(func, bound)
     spec, axis_of = x._spec, _axis_of(x)
     padding = _conv_padding(bound["padding"], bound["weight"].shape[2:], per_dim(bound["dilation"], nd), nd)
-    geometry = _halo_conv_geometry(x, bound, nd, padding)
     stencils = _stencils(bound, nd, [left for left, _ in padding])
-    if geometry is not None:
-        axis, i = axis_of[geometry.dim], geometry.dim - (x.ndim - nd)
-        axis_sizes = list(spec.axis_sizes)
-        axis_sizes[axis] = conv_output_split(spec.axis_sizes[axis], out_shape[geometry.dim], *stencils[i])
-        weight, bias = local_param(bound["weight"], x), local_param(bound["bias"], x)
-        return wrap_local(halo_conv(local_input(x), weight, bias, geometry), x, out_shape, axis_sizes)
     spatial = list(enumerate(range(x.ndim - nd, x.ndim)))
     axis_sizes, windows, counts = list(spec.axis_sizes), {}, {}
     for i, dim in spatial:
@@ -296,31 +325,34 @@ def _conv(func: Any, bound: dict[str, Any], nd: int) -> ShardTensor:
     return wrap_local(y, x, out_shape, axis_sizes)
 
 
-def _transposed_halo_geometry(x: ShardTensor, bound: dict[str, Any], nd: int, out_extent_of: Sequence[int]) -> TransposedHaloGeometry | None:
-    """The geometry of :mod:`.halo_conv_transpose`'s copy-free path, when the op is eligible for it."""
+def _transposed_halo_plan(func: Any, bound: dict[str, Any], nd: int) -> HaloPlan | None:
+    """:mod:`.halo_conv_transpose`'s copy-free path for this call, when the op is eligible for it."""
+    x = bound["input"]
     spatial_shards = [(axis, dim) for axis, dim in sharded_axes(x) if dim >= x.ndim - nd]
     if x.ndim != nd + 2 or len(spatial_shards) != 1:
         return None  # unbatched inputs and 2-D decompositions take the general path
-    axis, dim = spatial_shards[0]
-    return eligible_transposed_geometry(
-        x._spec.axis_sizes[axis], x._spec.coordinate()[axis], dim, bound["weight"].shape[dim], out_extent_of[dim],
-        stride=per_dim(bound["stride"], nd), padding=per_dim(bound["padding"], nd),
-        output_padding=per_dim(bound["output_padding"], nd), dilation=per_dim(bound["dilation"], nd),
-        groups=bound["groups"], group=x.device_mesh.get_group(axis),
+    (axis, dim), spec = spatial_shards[0], x._spec
+    out_shape = single_device_shape(func, bound)
+    stride = per_dim(bound["stride"], nd)
+    geometry = eligible_transposed_geometry(
+        spec.axis_sizes[axis], spec.coordinate()[axis], dim, bound["weight"].shape[dim], out_shape[dim],
+        stride=stride, padding=per_dim(bound["padding"], nd), output_padding=per_dim(bound["output_padding"], nd),
+        dilation=per_dim(bound["dilation"], nd), groups=bound["groups"],
     )
+    if geometry is None:
+        return None
+    axis_sizes = list(spec.axis_sizes)
+    axis_sizes[axis] = tuple(stride[dim - 2] * size for size in axis_sizes[axis])
+    return HaloPlan(geometry, axis, ShardTensorSpec(spec.mesh, spec.placements, out_shape, axis_sizes))
 
 
 def _conv_transpose(func: Any, bound: dict[str, Any], nd: int) -> ShardTensor:
+    plan = _cached_plan(func, bound, nd, _transposed_halo_plan)
+    if plan is not None:
+        return _run_plan(plan, halo_conv_transpose, bound)
     x = bound["input"]
     out_shape = single_device_shape(func, bound)
     spec, axis_of = x._spec, _axis_of(x)
-    geometry = _transposed_halo_geometry(x, bound, nd, out_shape)
-    if geometry is not None:
-        axis, stride = axis_of[geometry.dim], per_dim(bound["stride"], nd)[geometry.dim - 2]
-        axis_sizes = list(spec.axis_sizes)
-        axis_sizes[axis] = tuple(stride * size for size in axis_sizes[axis])
-        weight, bias = local_param(bound["weight"], x), local_param(bound["bias"], x)
-        return wrap_local(halo_conv_transpose(local_input(x), weight, bias, geometry), x, out_shape, axis_sizes)
     padding, output_padding = list(per_dim(bound["padding"], nd)), list(per_dim(bound["output_padding"], nd))
     stencils = _stencils(bound, nd, padding)
     axis_sizes, windows, targets = list(spec.axis_sizes), {}, {}

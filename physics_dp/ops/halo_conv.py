@@ -66,7 +66,8 @@ class HaloStrip(NamedTuple):
 
 @dataclass(frozen=True)
 class HaloConvGeometry:
-    """Everything but the tensors: the sharded dim, what crosses each boundary, and the conv's own arguments."""
+    """Everything but the tensors and the process group: the sharded dim, what crosses each boundary, and
+    the conv's own arguments (a pure function of the call's shapes, so :mod:`.conv` caches it)."""
 
     dim: int  # tensor dim of the sharded spatial dim
     kernel: int  # kernel extent along it
@@ -74,8 +75,7 @@ class HaloConvGeometry:
     stride: tuple[int, ...]
     dilation: tuple[int, ...]
     groups: int
-    group: ProcessGroup
-    sizes: tuple[int, ...]  # the split of the sharded dim over ``group``
+    sizes: tuple[int, ...]  # the split of the sharded dim over its process group
     has_prev: bool
     has_next: bool
 
@@ -122,7 +122,7 @@ class HaloConvGeometry:
         return found
 
 
-def _exchange_halos(local: torch.Tensor, geometry: HaloConvGeometry) -> collectives.PendingExchange:
+def _exchange_halos(local: torch.Tensor, geometry: HaloConvGeometry, group: ProcessGroup) -> collectives.PendingExchange:
     """Start sending this slab's rows that the neighbours' strips hold, and receiving ours."""
     dim = geometry.dim
     extent = local.shape[dim]
@@ -131,10 +131,10 @@ def _exchange_halos(local: torch.Tensor, geometry: HaloConvGeometry) -> collecti
     to_next = local.narrow(dim, extent + before.halo_start, before.rows) if geometry.has_next and before is not None else None
     from_prev = before.rows if geometry.has_prev and before is not None else 0
     from_next = after.rows if geometry.has_next and after is not None else 0
-    return start_edge_exchange(to_prev, to_next, local.shape, from_prev, from_next, dim, geometry.group, local)
+    return start_edge_exchange(to_prev, to_next, local.shape, from_prev, from_next, dim, group, local)
 
 
-def _exchange_boundary_grads(grad: torch.Tensor, geometry: HaloConvGeometry) -> collectives.PendingExchange:
+def _exchange_boundary_grads(grad: torch.Tensor, geometry: HaloConvGeometry, group: ProcessGroup) -> collectives.PendingExchange:
     """Start sending the gradient of our boundary outputs to the neighbours whose rows reached them, and receiving theirs."""
     dim = geometry.dim
     extent = grad.shape[dim]
@@ -144,7 +144,7 @@ def _exchange_boundary_grads(grad: torch.Tensor, geometry: HaloConvGeometry) -> 
     to_next = grad.narrow(dim, extent - after_outputs, after_outputs) if geometry.has_next else None
     from_prev = after_outputs if geometry.has_prev else 0
     from_next = before_outputs if geometry.has_next else 0
-    return start_edge_exchange(to_prev, to_next, grad.shape, from_prev, from_next, dim, geometry.group, grad)
+    return start_edge_exchange(to_prev, to_next, grad.shape, from_prev, from_next, dim, group, grad)
 
 
 def _strip(halo: torch.Tensor, geometry: HaloConvGeometry, strip: HaloStrip) -> torch.Tensor:
@@ -172,15 +172,16 @@ def _conv_backward(grad: torch.Tensor, input: torch.Tensor, weight: torch.Tensor
 class _HaloConv(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geometry: HaloConvGeometry
+        ctx, local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geometry: HaloConvGeometry,
+        group: ProcessGroup,
     ) -> torch.Tensor:
         conv = _CONV_BY_DIMS[local.ndim - 2]
         dim = geometry.dim
         ctx.dtypes = (local.dtype, weight.dtype, None if bias is None else bias.dtype)
         local, weight, bias = autocast_inputs(local, weight, bias)  # the backward then sees one dtype
-        pending = _exchange_halos(local, geometry)
+        pending = _exchange_halos(local, geometry, group)
         y = conv(local, weight, bias, geometry.stride, geometry.padding, geometry.dilation, geometry.groups)
-        received = dict(zip((-1, 1), received_rows(pending, geometry.group)))
+        received = dict(zip((-1, 1), received_rows(pending, group)))
         strips = []
         for plan, side, first in geometry.strips(y.shape[dim]):
             strip = _strip(received[side], geometry, plan)
@@ -188,7 +189,7 @@ class _HaloConv(torch.autograd.Function):
             y.narrow(dim, first, plan.outputs).add_(conv(strip, part, None, geometry.stride, geometry.strip_padding(), geometry.dilation, geometry.groups))
             strips.append(strip)
         ctx.save_for_backward(local, weight, *strips)
-        ctx.geometry, ctx.has_bias = geometry, bias is not None
+        ctx.geometry, ctx.group, ctx.has_bias = geometry, group, bias is not None
         return y
 
     @staticmethod
@@ -200,7 +201,7 @@ class _HaloConv(torch.autograd.Function):
         dim = geometry.dim
         extent = local.shape[dim]
         need_input, need_weight, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        pending = _exchange_boundary_grads(grad, geometry) if need_input else None
+        pending = _exchange_boundary_grads(grad, geometry, ctx.group) if need_input else None
         grad_input, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
             grad, local, weight, [weight.shape[0]] if ctx.has_bias else None,
             geometry.stride, geometry.padding, geometry.dilation, False, [0] * len(geometry.padding), geometry.groups,
@@ -211,7 +212,7 @@ class _HaloConv(torch.autograd.Function):
                 share = _conv_backward(grad.narrow(dim, first, plan.outputs), strip, _taps(weight, geometry, plan), geometry, [False, True, False])[1]
                 _taps(grad_weight, geometry, plan).add_(share)
         if need_input:  # the neighbours' boundary outputs read some of our rows: their share of our gradient
-            prev_grad, next_grad = received_rows(pending, geometry.group)
+            prev_grad, next_grad = received_rows(pending, ctx.group)
             # our first rows fed the previous rank's strip after its slab, our last rows the next rank's strip before it
             for neighbour_grad, plan, boundary in ((prev_grad, geometry.after, 0), (next_grad, geometry.before, extent)):
                 if neighbour_grad is None:
@@ -230,7 +231,7 @@ def _differentiable_backward(ctx, grad: torch.Tensor) -> tuple:
     def rerun(local: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         geometry: HaloConvGeometry = ctx.geometry
         p = geometry._along(geometry.padding)
-        window = gather_window(local, geometry.dim, geometry.sizes, uniform_windows(geometry.sizes, p, p), group=geometry.group)
+        window = gather_window(local, geometry.dim, geometry.sizes, uniform_windows(geometry.sizes, p, p), group=ctx.group)
         conv = _CONV_BY_DIMS[local.ndim - 2]
         y = conv(window, weight, None, geometry.stride, geometry.strip_padding(), geometry.dilation, geometry.groups)
         return y.narrow(geometry.dim, 0, grad.shape[geometry.dim])
@@ -259,7 +260,7 @@ def differentiated_rerun(ctx, grad: torch.Tensor, rerun: Callable[[torch.Tensor,
     grad_bias = None
     if ctx.has_bias and ctx.needs_input_grad[2]:
         grad_bias = grad.sum([d for d in range(grad.ndim) if d != 1]).to(bias_dtype)
-    return grad_input, grad_weight, grad_bias, None
+    return grad_input, grad_weight, grad_bias, None, None
 
 
 def in_input_dtypes(ctx, grad_input: torch.Tensor | None, grad_weight: torch.Tensor | None, grad_bias: torch.Tensor | None) -> tuple:
@@ -269,6 +270,7 @@ def in_input_dtypes(ctx, grad_input: torch.Tensor | None, grad_weight: torch.Ten
         None if grad_input is None else grad_input.to(input_dtype),
         None if grad_weight is None else grad_weight.to(weight_dtype),
         None if grad_bias is None else grad_bias.to(bias_dtype),
+        None,
         None,
     )
 
@@ -283,10 +285,11 @@ def autocast_inputs(local: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 
 def halo_conv(
-    local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geometry: HaloConvGeometry
+    local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geometry: HaloConvGeometry, group: ProcessGroup
 ) -> torch.Tensor:
-    """The 'same' convolution of the global tensor, on this rank's slab (see the module docstring)."""
-    return _HaloConv.apply(local, weight, bias, geometry)
+    """The 'same' convolution of the global tensor, on this rank's slab (see the module docstring);
+    ``group`` is the process group that splits ``geometry.dim``."""
+    return _HaloConv.apply(local, weight, bias, geometry, group)
 
 
 def eligible_geometry(

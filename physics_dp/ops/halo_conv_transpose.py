@@ -40,7 +40,8 @@ _CONV_TRANSPOSE_BY_DIMS = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.co
 
 @dataclass(frozen=True)
 class TransposedHaloGeometry:
-    """Everything but the tensors: the sharded dim, what crosses each boundary, and the op's own arguments."""
+    """Everything but the tensors and the process group: the sharded dim, what crosses each boundary, and
+    the op's own arguments (a pure function of the call's shapes, so :mod:`.conv` caches it)."""
 
     dim: int  # tensor dim of the sharded spatial dim
     kernel: int  # kernel extent along it
@@ -49,8 +50,7 @@ class TransposedHaloGeometry:
     output_padding: tuple[int, ...]
     dilation: tuple[int, ...]
     groups: int
-    group: ProcessGroup
-    sizes: tuple[int, ...]  # the input split of the sharded dim over ``group``
+    sizes: tuple[int, ...]  # the input split of the sharded dim over its process group
     has_prev: bool
     has_next: bool
 
@@ -171,16 +171,17 @@ def _strip_backward(
 class _HaloConvTranspose(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geometry: TransposedHaloGeometry
+        ctx, local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geometry: TransposedHaloGeometry,
+        group: ProcessGroup,
     ) -> torch.Tensor:
         ctx.dtypes = (local.dtype, weight.dtype, None if bias is None else bias.dtype)
         local, weight, bias = autocast_inputs(local, weight, bias)  # the backward then sees one dtype
         dim, before, after = geometry.dim, geometry.before_window(), geometry.after_window()
         from_prev, from_next = before[0] * geometry.has_prev, after[0] * geometry.has_next
-        pending = exchange_boundary_rows(local, dim, geometry.group, after[0] * geometry.has_prev, before[0] * geometry.has_next, from_prev, from_next)
+        pending = exchange_boundary_rows(local, dim, group, after[0] * geometry.has_prev, before[0] * geometry.has_next, from_prev, from_next)
         conv = _CONV_TRANSPOSE_BY_DIMS[local.ndim - 2]
         y = conv(local, weight, bias, geometry.stride, geometry.padding, geometry.output_padding, geometry.groups, geometry.dilation)
-        prev_rows, next_rows = received_rows(pending, geometry.group)
+        prev_rows, next_rows = received_rows(pending, group)
         halos = []  # (halo, its window, first output row it adds to)
         if prev_rows is not None and before[2]:
             halos.append((prev_rows, before, 0))
@@ -191,7 +192,7 @@ class _HaloConvTranspose(torch.autograd.Function):
             y.narrow(dim, start + taps.offset, taps.rows).add_(_strip_output(halo, weight, geometry, taps))
         ctx.save_for_backward(local, weight, *(halo for halo, _, _ in halos))
         ctx.placements = tuple((window, start) for _, window, start in halos)
-        ctx.geometry, ctx.has_bias = geometry, bias is not None
+        ctx.geometry, ctx.group, ctx.has_bias = geometry, group, bias is not None
         return y
 
     @staticmethod
@@ -205,7 +206,7 @@ class _HaloConvTranspose(torch.autograd.Function):
         pending = None
         if need_input:  # our first outputs read the previous rank's last inputs, our last ones the next rank's first
             to_prev, to_next = before[2] * geometry.has_prev, after[2] * geometry.has_next
-            pending = exchange_boundary_rows(grad, dim, geometry.group, to_prev, to_next, after[2] * geometry.has_prev, before[2] * geometry.has_next)
+            pending = exchange_boundary_rows(grad, dim, ctx.group, to_prev, to_next, after[2] * geometry.has_prev, before[2] * geometry.has_next)
         grad_input, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
             grad, local, weight, [weight.shape[0]] if ctx.has_bias else None, geometry.stride, geometry.padding,
             geometry.dilation, True, geometry.output_padding, geometry.groups,
@@ -218,7 +219,7 @@ class _HaloConvTranspose(torch.autograd.Function):
                 share = _strip_backward(grad_rows, halo, weight, geometry, taps, [False, True, False])[1]
                 grad_weight.narrow(dim, taps.tap, taps.taps).add_(share)
         if need_input:
-            prev_grad, next_grad = received_rows(pending, geometry.group)
+            prev_grad, next_grad = received_rows(pending, ctx.group)
             # the previous rank's last outputs read our first rows as its halo after; the next rank's first, our last as its halo before
             for neighbour_grad, window, start in ((prev_grad, after, 0), (next_grad, before, local.shape[dim] - before[0])):
                 if neighbour_grad is None:
@@ -239,7 +240,7 @@ def _differentiable_backward(ctx, grad: torch.Tensor) -> tuple:
         geometry: TransposedHaloGeometry = ctx.geometry
         dim, rows_before = geometry.dim, geometry.rows_before
         windows = uniform_windows(geometry.sizes, rows_before, geometry.rows_after)
-        window = gather_window(local, dim, geometry.sizes, windows, group=geometry.group)
+        window = gather_window(local, dim, geometry.sizes, windows, group=ctx.group)
         padding, _ = geometry.strip_args()
         conv = _CONV_TRANSPOSE_BY_DIMS[local.ndim - 2]
         y = conv(window, weight, None, geometry.stride, padding, geometry.output_padding, geometry.groups, geometry.dilation)
@@ -250,7 +251,9 @@ def _differentiable_backward(ctx, grad: torch.Tensor) -> tuple:
 
 
 def halo_conv_transpose(
-    local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geometry: TransposedHaloGeometry
+    local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geometry: TransposedHaloGeometry,
+    group: ProcessGroup,
 ) -> torch.Tensor:
-    """The transposed convolution of the global tensor, on this rank's slab (see the module docstring)."""
-    return _HaloConvTranspose.apply(local, weight, bias, geometry)
+    """The transposed convolution of the global tensor, on this rank's slab (see the module docstring);
+    ``group`` is the process group that splits ``geometry.dim``."""
+    return _HaloConvTranspose.apply(local, weight, bias, geometry, group)

@@ -47,15 +47,15 @@ class BorderPlan:
 
 @dataclass(frozen=True)
 class ResampleGeometry:
-    """Everything but the tensors: the sharded dim, torch's resize arguments, every rank's borders."""
+    """Everything but the tensors and the process group: the sharded dim, torch's resize arguments,
+    every rank's borders (a pure function of the call's shapes, so the handler caches it)."""
 
     dim: int
     mode: str
     factors: tuple[int, ...]  # per spatial dim: integer powers of two
-    group: ProcessGroup
-    sizes: tuple[int, ...]  # the split of the sharded dim over ``group``
+    sizes: tuple[int, ...]  # the split of the sharded dim over its process group
     me: int
-    borders: tuple[BorderPlan, ...]  # per rank of ``group``
+    borders: tuple[BorderPlan, ...]  # per rank of the group
 
     @property
     def mine(self) -> BorderPlan:
@@ -90,13 +90,13 @@ def _taken_by_neighbours(geometry: ResampleGeometry) -> tuple[int, int]:
 
 class _HaloResample(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, local: torch.Tensor, geometry: ResampleGeometry) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, local: torch.Tensor, geometry: ResampleGeometry, group: ProcessGroup) -> torch.Tensor:  # type: ignore[override]
         dim, plan = geometry.dim, geometry.mine
         extent = local.shape[dim]
         first, last = _taken_by_neighbours(geometry)
-        pending = exchange_boundary_rows(local, dim, geometry.group, first, last, *plan.halo)
+        pending = exchange_boundary_rows(local, dim, group, first, last, *plan.halo)
         y = _resize(local, geometry)
-        from_prev, from_next = received_rows(pending, geometry.group)
+        from_prev, from_next = received_rows(pending, group)
         k = geometry.factors[dim - 2]
         (top, bottom), halo_top, (inner_top, inner_bottom) = plan.wrong, plan.halo[0], plan.inner
         if top:
@@ -105,7 +105,7 @@ class _HaloResample(torch.autograd.Function):
         if bottom:
             window = torch.cat([local.narrow(dim, extent - inner_bottom, inner_bottom), from_next], dim)
             y.narrow(dim, y.shape[dim] - bottom, bottom).copy_(_resize(window, geometry).narrow(dim, k * inner_bottom - bottom, bottom))
-        ctx.geometry, ctx.input_shape = geometry, local.shape
+        ctx.geometry, ctx.group, ctx.input_shape = geometry, group, local.shape
         return y
 
     @staticmethod
@@ -113,7 +113,7 @@ class _HaloResample(torch.autograd.Function):
         geometry: ResampleGeometry = ctx.geometry
         shape = ctx.input_shape
         if creating_graph():
-            return _differentiable_backward(shape, grad, geometry), None
+            return _differentiable_backward(shape, grad, geometry, ctx.group), None, None
         dim, plan = geometry.dim, geometry.mine
         extent, out_extent = shape[dim], grad.shape[dim]
         (top, bottom), (halo_top, halo_bottom), (inner_top, inner_bottom) = plan.wrong, plan.halo, plan.inner
@@ -126,19 +126,19 @@ class _HaloResample(torch.autograd.Function):
         receive = _taken_by_neighbours(geometry)  # the gradients of those rows come back
         pending = start_edge_exchange(
             None if top_fix is None else top_fix[1], None if bottom_fix is None else bottom_fix[1], shape, *receive, dim,
-            geometry.group, grad,
+            ctx.group, grad,
         )
         grad_input = _resize_backward(grad, shape, geometry)
         if top_fix is not None:
             grad_input.narrow(dim, 0, inner_top).add_(top_fix[0])
         if bottom_fix is not None:
             grad_input.narrow(dim, extent - inner_bottom, inner_bottom).add_(bottom_fix[0])
-        from_prev, from_next = received_rows(pending, geometry.group)
+        from_prev, from_next = received_rows(pending, ctx.group)
         if from_prev is not None:
             grad_input.narrow(dim, 0, receive[0]).add_(from_prev)
         if from_next is not None:
             grad_input.narrow(dim, extent - receive[1], receive[1]).add_(from_next)
-        return grad_input, None
+        return grad_input, None, None
 
 
 def _border_backward(
@@ -165,7 +165,7 @@ def _border_backward(
     return correction, window_share.narrow(dim, 0 if top else inner, halo).contiguous()
 
 
-def _differentiable_backward(shape: torch.Size, grad: torch.Tensor, geometry: ResampleGeometry) -> torch.Tensor:
+def _differentiable_backward(shape: torch.Size, grad: torch.Tensor, geometry: ResampleGeometry, group: ProcessGroup) -> torch.Tensor:
     """The input gradient as a differentiable function of ``grad``: the resize of the gathered window.
 
     A resize is linear, so its backward does not depend on the input's values: any slab will do.
@@ -177,12 +177,13 @@ def _differentiable_backward(shape: torch.Size, grad: torch.Tensor, geometry: Re
     ]
     with torch.enable_grad():
         source = grad.new_zeros(shape).requires_grad_(True)
-        window = gather_window(source, dim, geometry.sizes, windows, group=geometry.group)
+        window = gather_window(source, dim, geometry.sizes, windows, group=group)
         y = _resize(window, geometry).narrow(dim, k * geometry.mine.halo[0], k * shape[dim])
         (grad_input,) = torch.autograd.grad(y, source, grad, create_graph=True)
     return grad_input
 
 
-def halo_resample(local: torch.Tensor, geometry: ResampleGeometry) -> torch.Tensor:
-    """torch's resize of the global tensor, this rank's output rows, from its slab (see the module docstring)."""
-    return _HaloResample.apply(local, geometry)
+def halo_resample(local: torch.Tensor, geometry: ResampleGeometry, group: ProcessGroup) -> torch.Tensor:
+    """torch's resize of the global tensor, this rank's output rows, from its slab (see the module
+    docstring); ``group`` is the process group that splits ``geometry.dim``."""
+    return _HaloResample.apply(local, geometry, group)

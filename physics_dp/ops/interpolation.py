@@ -22,9 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from ..distributed.tracing import graph_constant, outside_trace
-from ..shard_tensor import ShardTensor
+from ..shard_tensor import ShardTensor, ShardTensorSpec
 from ._args import bind
-from ._local import ShardedOpError, local_input, sharded_axes, wrap_local
+from ._local import ShardedOpError, local_input, sharded_axes, wrap_local, wrap_local_as
+from .call_plans import HaloPlan, PlanCache, hashable, layout_key
 from .conv import check_stencil_layout, window_inside
 from .halo_resample import BorderPlan, ResampleGeometry, halo_resample
 from .indexing import offsets
@@ -36,6 +37,7 @@ _ARGS = ("input", "size", "scale_factor", "mode", "align_corners", "recompute_sc
 _DEFAULTS = {"mode": "nearest", "antialias": False}
 _CUBIC_A = -0.75
 _ADAPTIVE_AVG = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.adaptive_avg_pool3d}
+_HALO_PLANS = PlanCache()
 
 
 @dataclass(frozen=True)
@@ -279,37 +281,50 @@ def _border_plans(
     return tuple(plans)
 
 
-def _halo_geometry(
-    x: ShardTensor, splits: Sequence[DimSplit], factors: Sequence[int], mode: str, vectorized: bool
-) -> ResampleGeometry | None:
-    """The slab path's geometry when exactly one resized dim is sharded and its borders allow it."""
-    sharded = [split for split in splits if split.axis is not None]
-    if len(sharded) != 1:
-        return None
-    split = sharded[0]
-    factor = factors[split.dim - 2]
-    borders = _border_plans(split.sizes, factor, mode, _coordinate_dtype(x.dtype), vectorized)
-    if borders is None:
-        return None
-    group = x.device_mesh.get_group(split.axis)
-    return ResampleGeometry(split.dim, mode, tuple(factors), group, split.sizes, split.me, borders)
-
-
-def _resize(x: ShardTensor, bound: dict[str, Any], out_shape: torch.Size) -> ShardTensor:
-    nd = x.ndim - 2
-    mode, align_corners = bound["mode"], bool(bound["align_corners"])
-    dtype, vectorized = _coordinate_dtype(x.dtype), uses_vectorized_nearest(x, out_shape)
-    factors = _native_factors(x, bound, out_shape)
+def _resize_splits(
+    x: ShardTensor, bound: dict[str, Any], out_shape: torch.Size, factors: Sequence[int] | None, vectorized: bool
+) -> list[tuple[DimSplit, Taps]]:
+    """Per spatial dim: which outputs each rank owns and the input rows they read, and their taps."""
+    mode, align_corners, dtype = bound["mode"], bool(bound["align_corners"]), _coordinate_dtype(x.dtype)
     plans = []
     with outside_trace():
-        for dim, scale in zip(range(2, x.ndim), _scales(bound, nd)):
+        for dim, scale in zip(range(2, x.ndim), _scales(bound, x.ndim - 2)):
             axis, sizes, me = dim_split(x, dim)
             taps = dim_taps(x.shape[dim], out_shape[dim], mode, align_corners, scale, dtype, vectorized)
             plans.append((_split(taps, dim, axis, sizes, me, None if factors is None else factors[dim - 2]), taps))
-        splits = [split for split, _ in plans]
-        geometry = None if factors is None else _halo_geometry(x, splits, factors, mode, vectorized)
-    if geometry is not None:  # torch's kernel on the slab, borders from the neighbours' rows
-        return wrap_local(halo_resample(local_input(x), geometry), x, out_shape, output_axis_sizes(x, splits))
+    return plans
+
+
+def _halo_resample_plan(func: Any, bound: dict[str, Any], x: ShardTensor) -> HaloPlan | None:
+    """torch's kernel on the slab, borders from the neighbours' rows (:mod:`.halo_resample`): when the
+    factors are native, exactly one resized dim is sharded, and its borders allow it."""
+    if bound["antialias"] or bound["mode"] == "area":
+        return None  # refused, or adaptive pooling: the handler's other paths
+    out_shape = _global_shape(func, bound, x)
+    factors = _native_factors(x, bound, out_shape)
+    if factors is None:
+        return None
+    vectorized = uses_vectorized_nearest(x, out_shape)
+    splits = [split for split, _ in _resize_splits(x, bound, out_shape, factors, vectorized)]
+    sharded = [split for split in splits if split.axis is not None]
+    if len(sharded) != 1:
+        return None
+    split, mode = sharded[0], bound["mode"]
+    with outside_trace():
+        borders = _border_plans(split.sizes, factors[split.dim - 2], mode, _coordinate_dtype(x.dtype), vectorized)
+    if borders is None:
+        return None
+    geometry = ResampleGeometry(split.dim, mode, tuple(factors), split.sizes, split.me, borders)
+    out_spec = ShardTensorSpec(x.device_mesh, x.placements, out_shape, output_axis_sizes(x, splits))
+    return HaloPlan(geometry, split.axis, out_spec)
+
+
+def _resize(x: ShardTensor, bound: dict[str, Any], out_shape: torch.Size) -> ShardTensor:
+    """The general path: the window of input rows each rank's outputs read, resampled locally."""
+    mode = bound["mode"]
+    factors = _native_factors(x, bound, out_shape)
+    plans = _resize_splits(x, bound, out_shape, factors, uses_vectorized_nearest(x, out_shape))
+    splits = [split for split, _ in plans]
     local = gather_inside(local_input(x), x, splits)
     if factors is not None and local.numel():  # torch's kernel on the window, then this rank's outputs
         local = F.interpolate(local, scale_factor=[float(k) for k in factors], mode=mode, align_corners=bound["align_corners"])
@@ -375,6 +390,11 @@ def _interpolate_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> 
     if not any(dim >= 2 for _, dim in sharded_axes(x)):
         local = run_planewise(lambda t: func(t, **rest), local_input(x), x.ndim - 2)
         return wrap_local(local, x, x.shape[:2] + local.shape[2:], x._spec.axis_sizes)
+    key = (func, layout_key(x), x.dtype, *(hashable(value) for value in rest.values()))
+    plan = _HALO_PLANS.plan(key, x.device_mesh, lambda: _halo_resample_plan(func, bound, x))
+    if plan is not None:
+        local = halo_resample(local_input(x), plan.geometry, x.device_mesh.get_group(plan.axis))
+        return wrap_local_as(local, plan.out_spec)
     out_shape = _global_shape(func, bound, x)
     mode = bound["mode"]
     if bound["antialias"]:

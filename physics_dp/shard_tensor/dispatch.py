@@ -227,11 +227,25 @@ def _replicate_plain_grad_tensors(args: tuple, kwargs: dict) -> tuple[tuple, dic
     return tuple(wrap(a) for a in args), {k: wrap(v) for k, v in kwargs.items()}
 
 
+# Metadata reads (``x.shape``, ``x.dim()``, ...) answer from the wrapper alone: model code asks
+# hundreds of them per step, and the general path costs 5 us each against 0.2 us on a plain tensor.
+_METADATA_READS = frozenset({
+    *(getattr(torch.Tensor, name).__get__ for name in (
+        "shape", "ndim", "dtype", "device", "requires_grad", "grad_fn", "is_leaf", "layout", "is_cuda", "is_meta",
+    )),
+    torch.Tensor.dim, torch.Tensor.size, torch.Tensor.numel, torch.Tensor.is_floating_point,
+    torch.Tensor.is_complex, torch.Tensor.get_device,
+})
+
+
 def torch_function(cls: type, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
     if kwargs is None:
         kwargs = {}
     if torch.compiler.is_dynamo_compiling():
         return _traced_torch_function(_traced_op_key(func), args, kwargs)
+    if func in _METADATA_READS:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
     return _eager_torch_function(func, types, args, kwargs)
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from physics_dp.distributed.collectives import count_communication
@@ -104,17 +107,20 @@ def _views_of_equal_shapes_with_different_splits():
         flat = x.view(2, 3, 35)
         torch.testing.assert_close(flat.full_tensor(), full.view(2, 3, 35))
         results.append(flat._spec.axis_sizes[0])
-    return results, _holds_a_mesh(views._VIEW_PLANS)
+    return results, holds_a_mesh(views._VIEW_PLANS)
 
 
-def _holds_a_mesh(value) -> bool:
-    """Whether ``value`` (nested tuples and dicts) references a mesh or a spec, which holds one."""
-    if isinstance(value, (DeviceMesh, ShardTensorSpec)):
+def holds_a_mesh(value) -> bool:
+    """Whether ``value`` (nested tuples, dicts and dataclasses) references a mesh, a spec (which holds
+    one) or a process group: a module-level cache must not keep the groups of a destroyed mesh alive."""
+    if isinstance(value, (DeviceMesh, ShardTensorSpec, ProcessGroup)):
         return True
     if isinstance(value, dict):
-        return any(_holds_a_mesh(k) or _holds_a_mesh(v) for k, v in value.items())
+        return any(holds_a_mesh(k) or holds_a_mesh(v) for k, v in value.items())
     if isinstance(value, (tuple, list)):
-        return any(_holds_a_mesh(v) for v in value)
+        return any(holds_a_mesh(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return any(holds_a_mesh(getattr(value, field.name)) for field in dataclasses.fields(value))
     return False
 
 
