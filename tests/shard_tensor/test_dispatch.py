@@ -134,3 +134,30 @@ def _setitem_and_complex():
 
 def test_setitem_writes_through_and_complex_gradients_are_exact():
     run_on_ranks(3, _setitem_and_complex)
+
+
+def _metadata_reads_skip_the_handlers():
+    import physics_dp.shard_tensor.dispatch as dispatch
+
+    mesh = get_mesh((2,))
+    x = distribute_tensor(global_tensor((2, 3, 9, 4)), mesh, [Shard(2)]).requires_grad_()
+    original = dispatch._eager_torch_function
+
+    def refuse(func, *args):
+        raise AssertionError(f"{func} went through the handler lookup")
+
+    dispatch._eager_torch_function = refuse
+    try:
+        reads = (
+            x.shape, x.ndim, x.dim(), x.size(2), x.numel(), x.dtype, x.device, x.requires_grad, x.is_leaf,
+            x.grad_fn, x.is_floating_point(), x.layout,
+        )
+    finally:
+        dispatch._eager_torch_function = original
+    assert reads[:5] == (torch.Size((2, 3, 9, 4)), 4, 4, 9, 216)  # global, not the slab's
+    assert reads[5:] == (torch.float32, torch.device("cpu"), True, True, None, True, torch.strided)
+    return True
+
+
+def test_metadata_reads_answer_from_the_wrapper_without_the_handler_lookup():
+    assert all(run_on_ranks(2, _metadata_reads_skip_the_handlers))
