@@ -12,9 +12,10 @@ local transposed convolution without padding and bias, trims or zero-extends the
 its range, then adds the bias.  ``F.pad`` (also what ``nn.Conv*d`` calls for
 ``padding_mode != 'zeros'``) is the same window gather with the padding's edge mode.
 
-The common cases skip the window: stride-1 'same' convolutions (:mod:`.halo_conv`) and
-upsampling transposed convolutions (:mod:`.halo_conv_transpose`) run torch's op on the slab
-itself and add the halo rows' share.
+The common cases skip the window: 'same' convolutions of any stride over shards at multiples
+of it (:mod:`.halo_conv`) and upsampling transposed convolutions (:mod:`.halo_conv_transpose`)
+run torch's op on the slab itself and add the halo rows' share; their plans (output spec and
+halo geometry) are made once per call signature (:mod:`.call_plans`).
 
 Every decision depends only on global shapes and splits, so all ranks run the same
 collectives and the same autograd graph, empty shards included.
