@@ -19,6 +19,8 @@ from ..shard_tensor import ShardTensor, ShardTensorSpec
 
 __all__ = ["HaloPlan", "PlanCache", "layout_key", "hashable"]
 
+_UNPLANNED = object()  # what the cache answers for a key not planned yet
+
 
 class HaloPlan(NamedTuple):
     """How one call runs on the slab: the op's halo geometry (a frozen value holding no tensor or
@@ -49,10 +51,10 @@ class PlanCache:
 
     def plan(self, key: tuple, mesh: DeviceMesh, build: Callable[[], HaloPlan | None]) -> HaloPlan | None:
         """The plan for ``key``, built by ``build()`` on first use; its output spec on ``mesh``."""
-        if key in self._plans:
-            cached = self._plans[key]
-            if cached is None:
-                return None
+        cached = self._plans.get(key, _UNPLANNED)
+        if cached is None:
+            return None
+        if cached is not _UNPLANNED:
             geometry, axis, *out_fields = cached
             return HaloPlan(geometry, axis, ShardTensorSpec.from_checked(mesh, *out_fields))
         plan = build()

@@ -276,7 +276,7 @@ def _halo_conv_plan(func: Any, bound: dict[str, Any], nd: int) -> HaloPlan | Non
         return None  # unbatched inputs, 2-D decompositions and asymmetric padding take the general path
     (axis, dim), i = spatial_shards[0], spatial_shards[0][1] - (x.ndim - nd)
     spec, stencils = x._spec, _stencils(bound, nd, [left for left, _ in padding])
-    kernel, stride, dilation = (tuple(stencil[field] for stencil in stencils) for field in range(3))
+    kernel, stride, dilation, _ = zip(*stencils)
     geometry = eligible_geometry(
         spec.axis_sizes[axis], spec.coordinate()[axis], dim, kernel[i], stride[i], dilation[i], padding[i],
         padding=tuple(left for left, _ in padding), stride=stride, dilation=dilation, groups=bound["groups"],
