@@ -41,6 +41,7 @@ TWICE_DIFFERENTIABLE = {
     "max_pool": lambda x: F.max_pool2d(x * x, 2),
     "interpolate": lambda x: F.interpolate(torch.tanh(x), scale_factor=2, mode="bilinear"),
     "fft": lambda x: torch.fft.rfft2(torch.tanh(x)).abs(),
+    "fft of a real input": lambda x: torch.fft.fft2(torch.tanh(x)).abs(),
     "softmax": lambda x: torch.softmax(x * x, dim=2),
 }
 # Explicit backwards that communicate and are not written differentiably: refused.

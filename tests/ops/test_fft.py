@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from physics_dp.distributed.collectives import count_communication
-from physics_dp.ops.fft import FFTPlan
+from physics_dp.ops.fft import FFTPlan, _local_fft
 from physics_dp.shard_tensor import Replicate, Shard, distribute_tensor
 from physics_dp.testing import get_mesh, run_on_ranks
 
@@ -140,3 +140,22 @@ def test_fft_plan_orders_real_transforms() -> None:
     assert rfft.allowed([1, 2, 3]) == [3] and rfft.allowed([1, 2]) == [1, 2] and rfft.out_extent(3) == 3
     irfft = FFTPlan("irfft", (2, 3), (7, 8), None)
     assert irfft.allowed([2, 3]) == [2] and irfft.allowed([3]) == [3] and irfft.out_extent(3) == 8
+
+
+@pytest.mark.parametrize("norm", [None, "ortho", "forward"])
+@pytest.mark.parametrize("dims", [(2, 3), (3, 1), (2,)])
+def test_real_slab_is_transformed_without_a_complex_copy(norm: str | None, dims: tuple[int, ...]) -> None:
+    """fft of a real slab runs aten's two-sided real-to-complex transform: no copy of the slab to
+    complex first, and the result and its gradient equal ``torch.fft.fftn``."""
+    x = randn((2, 3, 6, 5)).double().requires_grad_(True)
+    plan = FFTPlan("fft", dims, tuple(x.shape[d] for d in dims), norm)
+    with torch.profiler.profile() as prof:
+        ours = _local_fft(x, plan, list(dims))
+    ops = {event.name for event in prof.events()}
+    assert "aten::_fft_r2c" in ops and "aten::_to_copy" not in ops
+    reference = torch.fft.fftn(x, dim=dims, norm=norm)
+    torch.testing.assert_close(ours, reference)
+    cotangent = torch.randn(reference.shape, dtype=reference.dtype, generator=torch.Generator().manual_seed(1))
+    (ours_grad,) = torch.autograd.grad(ours, x, cotangent)
+    (reference_grad,) = torch.autograd.grad(reference, x, cotangent)
+    torch.testing.assert_close(ours_grad, reference_grad)
