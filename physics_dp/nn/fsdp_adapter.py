@@ -10,6 +10,11 @@ their size, rather than a mean of per-rank means.
 Parameters stay plain tensors replicated over the domain axes: physics_dp's ops sum their
 gradient shares over the domain axes inside backward, once, and FSDP (or DDP) then averages over
 the data axis only, so nothing is counted twice.
+
+Inputs that need no communication (every ShardTensor input on a one-rank domain, as with
+``domain_size=1``, or replicated) cost nothing: each slab is the whole global value, so the module
+runs on the plain slabs, with no ShardTensor dispatch inside it, and its outputs are rewrapped
+as the per-op local-only path lays them out (``shard_tensor/local_only.py``).
 """
 
 from __future__ import annotations
@@ -21,11 +26,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..ops.grad_sums import immediate_parameter_sums
 from ..shard_tensor import ShardTensor, ShardTensorSpec
 from ..shard_tensor.conversions import from_local_with_spec, to_local
+from ..shard_tensor.local_only import local_only_spec, output_placements
 from .module_sync import PartitionFn, distribute_module
 
 __all__ = ["FSDPOutputTensorAdapter", "wrap_for_fsdp", "distribute_over_domain_for_fsdp"]
@@ -52,12 +58,26 @@ class FSDPOutputTensorAdapter(nn.Module):
         self._layouts: list[ShardTensorSpec | None] | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        layout = local_only_spec(tuple(tree_flatten((args, kwargs))[0]), {})
+        if layout is not None:
+            return self._forward_on_slabs(layout, args, kwargs)
         with immediate_parameter_sums() if self.immediate_grad_sums else contextlib.nullcontext():
             outputs = self.module(*args, **kwargs)
         leaves, tree = tree_flatten(outputs)
         self._layouts = [leaf._spec if isinstance(leaf, ShardTensor) else None for leaf in leaves]
         plain = [to_local(leaf) if isinstance(leaf, ShardTensor) else leaf for leaf in leaves]
         return tree_unflatten(plain, tree)
+
+    def _forward_on_slabs(self, layout: ShardTensorSpec, args: tuple, kwargs: dict) -> Any:
+        """The module on the plain slabs of inputs that need no communication; every tensor output
+        is then laid out like ``layout`` (see ``local_only.output_placements``)."""
+        args, kwargs = tree_map(lambda leaf: to_local(leaf) if isinstance(leaf, ShardTensor) else leaf, (args, kwargs))
+        outputs = self.module(*args, **kwargs)
+        self._layouts = [
+            ShardTensorSpec(layout.mesh, output_placements(layout, leaf.ndim), leaf.shape) if isinstance(leaf, torch.Tensor) else None
+            for leaf in tree_flatten(outputs)[0]
+        ]
+        return outputs
 
     def restore(self, outputs: Any) -> Any:
         """Rewrap the local outputs of the latest forward as ShardTensors (differentiably)."""

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from .placements import Replicate, Shard
+from .placements import Placement, Replicate, Shard
 from .spec import ShardTensorSpec
 
-__all__ = ["RETURNS_VIEWS", "local_only_spec", "run_function_on_slabs", "run_aten_on_slabs"]
+__all__ = ["RETURNS_VIEWS", "local_only_spec", "output_placements", "run_function_on_slabs", "run_aten_on_slabs"]
 
 # Handled functions whose torch result is a view of an input.  Running them on the slabs through
 # to_local/from_local would hide that aliasing from autograd (an in-place update of the result
@@ -53,9 +53,13 @@ def local_only_spec(args: tuple, kwargs: dict) -> ShardTensorSpec | None:
     return sharded or first
 
 
+def output_placements(like: ShardTensorSpec, ndim: int) -> list[Placement]:
+    """The placements of an ``ndim``-D output of a local-only op on inputs laid out like ``like``."""
+    return [Replicate() if type(p) is Shard and p.dim >= ndim else p for p in like.placements]
+
+
 def _output_spec(like: ShardTensorSpec, local: torch.Tensor) -> ShardTensorSpec:
-    placements = [Replicate() if type(p) is Shard and p.dim >= local.ndim else p for p in like.placements]
-    return ShardTensorSpec(like.mesh, placements, local.shape, stride=local.stride())
+    return ShardTensorSpec(like.mesh, output_placements(like, local.ndim), local.shape, stride=local.stride())
 
 
 def _map(value: Any, fn: Any) -> Any:

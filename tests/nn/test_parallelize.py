@@ -260,3 +260,30 @@ def test_five_training_steps_agree_across_layouts(data_parallel):
             for name, value in params.items():
                 diff = (value - reference[name]).abs().max().item()
                 assert diff < 1e-4, f"layout {layout} rank {rank}: {name} differs from 1x1 by {diff:.3e}"
+
+
+def _inner_input_types(layout: tuple[int, int], data_parallel: str) -> tuple[set[str], str, tuple]:
+    """The types a conv inside the model sees, and the output's type and placements."""
+    mesh = get_mesh(layout, ("data", "domain"))
+    model = _build("regression")
+    seen: set[str] = set()
+    for module in model.modules():
+        if isinstance(module, nn.Conv2d):
+            module.register_forward_pre_hook(lambda _, inputs: seen.add(type(inputs[0]).__name__))
+    parallel = parallelize(model, mesh, data_parallel)
+    domain = domain_mesh(mesh)
+    batch = _batch()
+    rows = slice(mesh.get_local_rank(0), mesh.get_local_rank(0) + 1)
+    out = parallel(distribute_tensor(batch["x"][rows], domain, [Shard(2)]), distribute_tensor(batch["condition"][rows], domain, [Shard(2)]))
+    out.sum().backward()
+    return seen, type(out).__name__, tuple(out.placements)
+
+
+@pytest.mark.parametrize("layout", [(1, 1), (2, 1), (1, 2)])
+def test_one_rank_domain_runs_the_model_on_plain_slabs(layout):
+    """On a one-rank domain the model sees plain tensors (no ShardTensor dispatch per op); on two
+    domain ranks it sees ShardTensors.  The output is a ShardTensor laid out like the input."""
+    data_parallel = "ddp" if layout[0] > 1 else "none"
+    for seen, out_type, placements in run_on_ranks(math.prod(layout), _inner_input_types, layout, data_parallel):
+        assert seen == ({"Tensor"} if layout[1] == 1 else {"ShardTensor"})
+        assert out_type == "ShardTensor" and placements == (Shard(2),)
