@@ -11,11 +11,11 @@ exactly (skewed and empty shards included); dims it resizes (``s=``, the halved 
 ``rfft*``, the restored one of ``irfft*``) get the balanced split.
 
 Real transforms keep their order: ``rfft*`` does the real-to-complex FFT of the last dim first,
-``irfft*`` the complex-to-real one last; a complex transform of a real slab runs aten's
-two-sided real-to-complex transform (no copy of the slab to complex).  Where no dim can take an
-axis (a 2-D tensor sharded on both dims), the axis is replicated for that step.  Local FFTs and the redistributes are
-differentiable, so autograd gives the backward, itself a pencil transform.  ``norm`` factorizes
-over dims, so transforming dims in groups honours it.
+``irfft*`` the complex-to-real one last; a complex transform of a real slab runs aten's two-sided
+real-to-complex transform (no copy of the slab to complex).  Where no dim can take an axis (a 2-D
+tensor sharded on both dims), the axis is replicated for that step.  Local FFTs and the
+redistributes are differentiable, so autograd gives the backward, itself a pencil transform.
+``norm`` factorizes over dims, so transforming dims in groups honours it.
 """
 
 from __future__ import annotations
