@@ -225,6 +225,22 @@ def _cached_plan(
     return _HALO_PLANS.plan(key, x.device_mesh, lambda: build(func, bound, nd))
 
 
+def _one_sharded_spatial_dim(x: ShardTensor, nd: int) -> tuple[int, int] | None:
+    """(mesh axis, tensor dim) of the only sharded spatial dim of a batched input; None for
+    unbatched inputs and 2-D decompositions, which take the general path."""
+    spatial_shards = [(axis, dim) for axis, dim in sharded_axes(x) if dim >= x.ndim - nd]
+    return spatial_shards[0] if x.ndim == nd + 2 and len(spatial_shards) == 1 else None
+
+
+def _slab_plan(x: ShardTensor, geometry: Any, axis: int, out_shape: Sequence[int], out_split: Sequence[int]) -> HaloPlan | None:
+    """The plan of an eligible ``geometry``: the output keeps ``x``'s placements, with ``out_split`` along ``axis``."""
+    if geometry is None:
+        return None
+    axis_sizes = list(x._spec.axis_sizes)
+    axis_sizes[axis] = tuple(out_split)
+    return HaloPlan(geometry, axis, ShardTensorSpec(x.device_mesh, x.placements, out_shape, axis_sizes))
+
+
 def _run_plan(plan: HaloPlan, op: Callable, bound: dict[str, Any]) -> ShardTensor:
     """``op(slab, weight, bias, geometry, group)`` wrapped with the plan's output spec."""
     x = bound["input"]
@@ -270,22 +286,18 @@ def _halo_conv_plan(func: Any, bound: dict[str, Any], nd: int) -> HaloPlan | Non
     """:mod:`.halo_conv`'s copy-free path for this call, when the conv is eligible for it."""
     x = bound["input"]
     out_shape = single_device_shape(func, bound)  # torch's own errors for invalid arguments, first
-    spatial_shards = [(axis, dim) for axis, dim in sharded_axes(x) if dim >= x.ndim - nd]
+    shard = _one_sharded_spatial_dim(x, nd)
     padding = _conv_padding(bound["padding"], bound["weight"].shape[2:], per_dim(bound["dilation"], nd), nd)
-    if x.ndim != nd + 2 or len(spatial_shards) != 1 or any(left != right for left, right in padding):
-        return None  # unbatched inputs, 2-D decompositions and asymmetric padding take the general path
-    (axis, dim), i = spatial_shards[0], spatial_shards[0][1] - (x.ndim - nd)
+    if shard is None or any(left != right for left, right in padding):
+        return None  # asymmetric padding takes the general path too
+    (axis, dim), i = shard, shard[1] - (x.ndim - nd)
     spec, stencils = x._spec, _stencils(bound, nd, [left for left, _ in padding])
     kernel, stride, dilation, _ = zip(*stencils)
     geometry = eligible_geometry(
         spec.axis_sizes[axis], spec.coordinate()[axis], dim, kernel[i], stride[i], dilation[i], padding[i],
         padding=tuple(left for left, _ in padding), stride=stride, dilation=dilation, groups=bound["groups"],
     )
-    if geometry is None:
-        return None
-    axis_sizes = list(spec.axis_sizes)
-    axis_sizes[axis] = conv_output_split(spec.axis_sizes[axis], out_shape[dim], *stencils[i])
-    return HaloPlan(geometry, axis, ShardTensorSpec(spec.mesh, spec.placements, out_shape, axis_sizes))
+    return _slab_plan(x, geometry, axis, out_shape, conv_output_split(spec.axis_sizes[axis], out_shape[dim], *stencils[i]))
 
 
 def _conv(func: Any, bound: dict[str, Any], nd: int) -> ShardTensor:
@@ -329,10 +341,10 @@ def _conv(func: Any, bound: dict[str, Any], nd: int) -> ShardTensor:
 def _transposed_halo_plan(func: Any, bound: dict[str, Any], nd: int) -> HaloPlan | None:
     """:mod:`.halo_conv_transpose`'s copy-free path for this call, when the op is eligible for it."""
     x = bound["input"]
-    spatial_shards = [(axis, dim) for axis, dim in sharded_axes(x) if dim >= x.ndim - nd]
-    if x.ndim != nd + 2 or len(spatial_shards) != 1:
-        return None  # unbatched inputs and 2-D decompositions take the general path
-    (axis, dim), spec = spatial_shards[0], x._spec
+    shard = _one_sharded_spatial_dim(x, nd)
+    if shard is None:
+        return None
+    (axis, dim), spec = shard, x._spec
     out_shape = single_device_shape(func, bound)
     stride = per_dim(bound["stride"], nd)
     geometry = eligible_transposed_geometry(
@@ -340,11 +352,7 @@ def _transposed_halo_plan(func: Any, bound: dict[str, Any], nd: int) -> HaloPlan
         stride=stride, padding=per_dim(bound["padding"], nd), output_padding=per_dim(bound["output_padding"], nd),
         dilation=per_dim(bound["dilation"], nd), groups=bound["groups"],
     )
-    if geometry is None:
-        return None
-    axis_sizes = list(spec.axis_sizes)
-    axis_sizes[axis] = tuple(stride[dim - 2] * size for size in axis_sizes[axis])
-    return HaloPlan(geometry, axis, ShardTensorSpec(spec.mesh, spec.placements, out_shape, axis_sizes))
+    return _slab_plan(x, geometry, axis, out_shape, [stride[dim - 2] * size for size in spec.axis_sizes[axis]])
 
 
 def _conv_transpose(func: Any, bound: dict[str, Any], nd: int) -> ShardTensor:
