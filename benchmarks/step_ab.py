@@ -1,0 +1,168 @@
+"""The StormCast lite training step on N domain ranks against plain torch on one thread, interleaved.
+
+Why: ``model_memory.py`` times the plain step, then the sharded step, minutes apart.  On a shared
+VM the plain 1-thread step alone moved between 4161 and 4856 ms from one run to the next, so the
+speedup it reports moved with it (1.30x to 1.70x for the same code).  Here the two alternate
+round by round in the same processes: rank 0 runs one plain step (global batch, 1 thread) while
+the other ranks block in a gloo barrier (off the CPU), then every rank runs one sharded step.  A
+burst of background load then hits both sides alike, and the median of the per-round ratios is
+the speedup that load leaves least room to bend.
+
+One step, as in ``model_memory.py``: ``zero_grad(set_to_none=True)``, forward,
+``((out - target)**2).mean()``, backward, AdamW step; the sharded model runs under
+``parallelize(model, mesh, "none")`` on a ("data", "domain") = (1, N) mesh with inputs
+``distribute_tensor(..., [Shard(2)])``.  Both models start from the same weights and data, so
+their first losses agree (printed, as the check that both sides compute the same thing).
+
+    python benchmarks/step_ab.py                      # 2 ranks, 256x384 grid, 7 rounds
+    python benchmarks/step_ab.py --ranks 2 --grid 128 192 --rounds 5 --warmup 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["alternate_steps", "main"]
+
+
+def _training_step(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[Callable[[], None], list[torch.Tensor]]:
+    """A closure running one AdamW training step of ``model`` on ``inputs``, and the losses it records."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    losses: list[torch.Tensor] = []
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        out = model(inputs["state"], inputs["condition"])
+        loss = ((out - inputs["target"]) ** 2).mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+
+    return step, losses
+
+
+def alternate_steps(mesh: Any, grid: Sequence[int], rounds: int, warmup: int) -> dict[str, Any]:
+    """Alternate a plain step (rank 0 only) and a sharded step (every rank), ``warmup + rounds`` times.
+
+    ``mesh`` is a ("data", "domain") mesh with a data axis of size 1.  Returns this rank's timed
+    seconds per round (``plain`` is empty except on rank 0) and the first step's losses.
+    """
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:  # model_memory is a sibling script, not a package module
+        sys.path.insert(0, here)
+    from model_memory import build_model, global_batch
+
+    from physics_dp.distributed.collectives import barrier
+    from physics_dp.nn import domain_mesh, parallelize
+    from physics_dp.shard_tensor import Shard, distribute_tensor
+
+    domain = domain_mesh(mesh)
+    batch = global_batch(1, 3, 5, tuple(grid), 0)
+    sharded_step, sharded_losses = _training_step(
+        parallelize(build_model(tuple(grid), 3, 5), mesh, "none"),
+        {k: distribute_tensor(v, domain, [Shard(2)]) for k, v in batch.items()},
+    )
+    lead = dist.get_rank() == 0
+    plain_step, plain_losses = _training_step(build_model(tuple(grid), 3, 5), batch) if lead else (None, [])
+    plain, sharded = [], []
+    for index in range(warmup + rounds):
+        dist.barrier()  # gloo: the ranks not running the plain step wait off the CPU
+        if plain_step is not None:
+            start = time.perf_counter()
+            plain_step()
+            if index >= warmup:
+                plain.append(time.perf_counter() - start)
+        dist.barrier()
+        barrier(domain.get_group(0))
+        start = time.perf_counter()
+        sharded_step()
+        if index >= warmup:
+            sharded.append(time.perf_counter() - start)
+    first = sharded_losses[0]
+    return {"plain": plain, "sharded": sharded, "plain_loss": float(plain_losses[0]) if plain_losses else None,
+            "sharded_loss": float(first.full_tensor() if hasattr(first, "full_tensor") else first)}
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    from physics_dp.distributed import DistributedManager
+    from physics_dp.distributed.host_memory import keep_freed_memory
+
+    keep_freed_memory()
+    DistributedManager.initialize()
+    try:
+        mesh = DistributedManager().initialize_mesh((1, world), ("data", "domain"))
+        result = alternate_steps(mesh, args.grid, args.rounds, args.warmup)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, result)
+        if rank == 0:
+            out.put(gathered)
+    finally:
+        DistributedManager().cleanup()
+
+
+def summarize(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per round: the plain time and the slowest rank's sharded time; their medians and ratios."""
+    plain = per_rank[0]["plain"]
+    sharded = [max(times) for times in zip(*(r["sharded"] for r in per_rank))]
+    ratios = [p / s for p, s in zip(plain, sharded)]
+    return {
+        "plain_s": plain, "sharded_s": sharded, "ratios": ratios,
+        "median_plain_s": statistics.median(plain), "median_sharded_s": statistics.median(sharded),
+        "median_ratio": statistics.median(ratios),
+        "plain_loss": per_rank[0]["plain_loss"], "sharded_loss": per_rank[0]["sharded_loss"],
+    }
+
+
+def format_report(summary: dict[str, Any], args: argparse.Namespace) -> str:
+    rows = "\n".join(
+        f"| {i + 1} | {p * 1e3:.0f} | {s * 1e3:.0f} | {r:.2f}x |"
+        for i, (p, s, r) in enumerate(zip(summary["plain_s"], summary["sharded_s"], summary["ratios"]))
+    )
+    return "\n".join([
+        f"StormCast lite training step, grid {args.grid[0]}x{args.grid[1]}: plain x1 thread against {args.ranks} domain "
+        f"ranks x1 thread, alternating, {args.rounds} rounds after {args.warmup} warm-up",
+        "",
+        "| round | plain x1 ms | sharded ms (slowest rank) | speedup |",
+        "| --- | --- | --- | --- |",
+        rows,
+        "",
+        f"median: plain {summary['median_plain_s'] * 1e3:.0f} ms, sharded {summary['median_sharded_s'] * 1e3:.0f} ms; "
+        f"median of the per-round speedups {summary['median_ratio']:.2f}x",
+        f"first-step loss: plain {summary['plain_loss']:.6f}, sharded {summary['sharded_loss']:.6f}",
+    ])
+
+
+def main(argv: Sequence[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--grid", nargs=2, type=int, default=[256, 384], metavar=("H", "W"))
+    parser.add_argument("--rounds", type=int, default=7, help="timed rounds (default 7)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
+    args = parser.parse_args(argv)
+    if args.ranks < 2 or args.rounds < 1 or args.warmup < 1:
+        parser.error("--ranks must be >= 2, --rounds and --warmup >= 1")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_worker, args=(args.ranks, port, args, queue), nprocs=args.ranks, start_method="spawn")
+    text = format_report(summarize(queue.get()), args)
+    print(text, flush=True)
+    return text
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
