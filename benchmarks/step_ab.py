@@ -8,7 +8,8 @@ the other ranks block in a gloo barrier (off the CPU), then every rank runs one 
 burst of background load then hits both sides alike, and the median of the per-round ratios is
 the speedup that load leaves least room to bend.
 
-One step, as in ``model_memory.py``: ``zero_grad(set_to_none=True)``, forward,
+On GPUs each rank uses its device and the plain step runs on rank 0's (the times are then
+synchronized with the device).  One step, as in ``model_memory.py``: ``zero_grad(set_to_none=True)``, forward,
 ``((out - target)**2).mean()``, backward, AdamW step; the sharded model runs under
 ``parallelize(model, mesh, "none")`` on a ("data", "domain") = (1, N) mesh with inputs
 ``distribute_tensor(..., [Shard(2)])``.  Both models start from the same weights and data, so
@@ -61,32 +62,35 @@ def alternate_steps(mesh: Any, grid: Sequence[int], rounds: int, warmup: int) ->
     here = os.path.dirname(os.path.abspath(__file__))
     if here not in sys.path:  # model_memory is a sibling script, not a package module
         sys.path.insert(0, here)
-    from model_memory import build_model, global_batch
+    from model_memory import _sync, build_model, global_batch
 
     from physics_dp.distributed.collectives import barrier
     from physics_dp.nn import domain_mesh, parallelize
     from physics_dp.shard_tensor import Shard, distribute_tensor
 
     domain = domain_mesh(mesh)
-    batch = global_batch(1, 3, 5, tuple(grid), 0)
+    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    batch = {k: v.to(device) for k, v in global_batch(1, 3, 5, tuple(grid), 0).items()}
     sharded_step, sharded_losses = _training_step(
-        parallelize(build_model(tuple(grid), 3, 5), mesh, "none"),
+        parallelize(build_model(tuple(grid), 3, 5).to(device), mesh, "none"),
         {k: distribute_tensor(v, domain, [Shard(2)]) for k, v in batch.items()},
     )
     lead = dist.get_rank() == 0
-    plain_step, plain_losses = _training_step(build_model(tuple(grid), 3, 5), batch) if lead else (None, [])
+    plain_step, plain_losses = _training_step(build_model(tuple(grid), 3, 5).to(device), batch) if lead else (None, [])
     plain, sharded = [], []
     for index in range(warmup + rounds):
         dist.barrier()  # gloo: the ranks not running the plain step wait off the CPU
         if plain_step is not None:
             start = time.perf_counter()
             plain_step()
+            _sync(device)
             if index >= warmup:
                 plain.append(time.perf_counter() - start)
         dist.barrier()
         barrier(domain.get_group(0))
         start = time.perf_counter()
         sharded_step()
+        _sync(device)
         if index >= warmup:
             sharded.append(time.perf_counter() - start)
     first = sharded_losses[0]
