@@ -9,11 +9,12 @@ burst of background load then hits both sides alike, and the median of the per-r
 the speedup that load leaves least room to bend.
 
 On GPUs each rank uses its device and the plain step runs on rank 0's (the times are then
-synchronized with the device).  One step, as in ``model_memory.py``: ``zero_grad(set_to_none=True)``, forward,
-``((out - target)**2).mean()``, backward, AdamW step; the sharded model runs under
-``parallelize(model, mesh, "none")`` on a ("data", "domain") = (1, N) mesh with inputs
-``distribute_tensor(..., [Shard(2)])``.  Both models start from the same weights and data, so
-their first losses agree (printed, as the check that both sides compute the same thing).
+synchronized with the device).  One step, as in ``model_memory.py``:
+``zero_grad(set_to_none=True)``, forward, ``((out - target)**2).mean()``, backward, AdamW step;
+the sharded model runs under ``parallelize(model, mesh, "none")`` on a ("data", "domain") =
+(1, N) mesh with inputs ``distribute_tensor(..., [Shard(2)])``.  Both models start from the same
+weights and data, so their first losses agree (printed, as the check that both sides compute the
+same thing).
 
     python benchmarks/step_ab.py                      # 2 ranks, 256x384 grid, 7 rounds
     python benchmarks/step_ab.py --ranks 2 --grid 128 192 --rounds 5 --warmup 2
@@ -131,6 +132,7 @@ def summarize(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def format_report(summary: dict[str, Any], args: argparse.Namespace) -> str:
+    """One row per round, then the medians and the first losses (markdown, for docs/benchmarks.md)."""
     rows = "\n".join(
         f"| {i + 1} | {p * 1e3:.0f} | {s * 1e3:.0f} | {r:.2f}x |"
         for i, (p, s, r) in enumerate(zip(summary["plain_s"], summary["sharded_s"], summary["ratios"]))
