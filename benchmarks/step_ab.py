@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -34,6 +33,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from model_memory import _free_port, _sync, build_model, global_batch  # noqa: E402
 
 __all__ = ["alternate_steps", "main"]
 
@@ -60,11 +62,6 @@ def alternate_steps(mesh: Any, grid: Sequence[int], rounds: int, warmup: int) ->
     ``mesh`` is a ("data", "domain") mesh with a data axis of size 1.  Returns this rank's timed
     seconds per round (``plain`` is empty except on rank 0) and the first step's losses.
     """
-    here = os.path.dirname(os.path.abspath(__file__))
-    if here not in sys.path:  # model_memory is a sibling script, not a package module
-        sys.path.insert(0, here)
-    from model_memory import _sync, build_model, global_batch
-
     from physics_dp.distributed.collectives import barrier
     from physics_dp.nn import domain_mesh, parallelize
     from physics_dp.shard_tensor import Shard, distribute_tensor
@@ -160,11 +157,8 @@ def main(argv: Sequence[str] | None = None) -> str:
     args = parser.parse_args(argv)
     if args.ranks < 2 or args.rounds < 1 or args.warmup < 1:
         parser.error("--ranks must be >= 2, --rounds and --warmup >= 1")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_worker, args=(args.ranks, port, args, queue), nprocs=args.ranks, start_method="spawn")
+    mp.start_processes(_worker, args=(args.ranks, _free_port(), args, queue), nprocs=args.ranks, start_method="spawn")
     text = format_report(summarize(queue.get()), args)
     print(text, flush=True)
     return text
