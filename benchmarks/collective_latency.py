@@ -16,6 +16,7 @@ see what share of it a collective takes.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -26,6 +27,9 @@ import torch
 import torch.distributed as dist
 
 from physics_dp.distributed import collectives
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rank_processes import run_ranks  # noqa: E402
 
 __all__ = ["TRANSPORTS", "measure", "main"]
 
@@ -69,17 +73,9 @@ def measure(group: Any, numel: int, calls: int, work_mib: float, transport: str 
     }
 
 
-def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        result = {t: measure(dist.group.WORLD, args.numel, args.calls, args.work, t) for t in TRANSPORTS}
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, result)
-        if rank == 0:
-            out.put(gathered)
-    finally:
-        dist.destroy_process_group()
+def _rank_body(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """This rank's latencies over the whole job, per transport."""
+    return {t: measure(dist.group.WORLD, args.numel, args.calls, args.work, t) for t in TRANSPORTS}
 
 
 def main(argv: Sequence[str] | None = None) -> str:
@@ -89,17 +85,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--work", type=float, default=32.0, help="MiB each rank passes over before each call")
     args = parser.parse_args(argv)
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = mp.get_context("spawn")
-    queue = context.SimpleQueue()
-    mp.start_processes(_rank, args=(args.ranks, port, args, queue), nprocs=args.ranks, start_method="spawn")
-    rows = queue.get()
+    rows = run_ranks(args.ranks, _rank_body, args, backend="gloo")
     lines = [f"all_reduce of {args.numel} float64 values, {args.ranks} ranks x 1 thread, {args.calls} calls",
              "", "| transport | rank | back to back: median / p90 us | after a pointwise pass over "
              f"{args.work:g} MiB: median / p90 us |", "| --- | --- | --- | --- |"]

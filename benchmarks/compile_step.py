@@ -17,21 +17,18 @@ does.  Ranks are spawned here with one thread each on a ("data", "domain") = (1,
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model_memory import _free_port, _sync, build_model, global_batch  # noqa: E402
+from model_memory import _sync, build_model, global_batch  # noqa: E402
+from rank_processes import run_ranks  # noqa: E402
 
 from physics_dp.distributed.collectives import barrier  # noqa: E402
 
@@ -90,31 +87,9 @@ def _rank_body(args: argparse.Namespace, backend: str | None) -> dict[str, Any]:
     return time_steps(parallel, inputs, manager.device, args.warmup, args.steps, lambda: barrier(group))
 
 
-def _spawned_rank(rank: int, world: int, port: int, args: argparse.Namespace, backend: str | None, out_path: str) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    torch.set_num_threads(1)
-    from physics_dp.distributed import DistributedManager
-
-    DistributedManager.initialize()
-    try:
-        result = _rank_body(args, backend)
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, result)
-        if rank == 0:
-            with open(out_path, "w") as handle:
-                json.dump(gathered, handle)
-    finally:
-        DistributedManager().cleanup()
-
-
 def sharded_row(args: argparse.Namespace, world: int, backend: str | None) -> dict[str, Any]:
     """The slowest rank's times."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = os.path.join(tmp, "ranks.json")
-        mp.spawn(_spawned_rank, args=(world, _free_port(), args, backend, out_path), nprocs=world, join=True)
-        with open(out_path) as handle:
-            per_rank = json.load(handle)
+    per_rank = run_ranks(world, _rank_body, args, backend)
     times = {key: max(r[key] for r in per_rank) for key in ("warmup_s", "step_s")}
     return {"config": f"{world} rank{'s' if world > 1 else ''} x1 thr", "ranks": world, "backend": backend or "eager", **times}
 

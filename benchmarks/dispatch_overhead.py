@@ -33,7 +33,6 @@ import io
 import json
 import operator
 import pstats
-import socket
 import statistics
 import sys
 import time
@@ -50,6 +49,9 @@ from torch.distributed.tensor import distribute_tensor as dtensor_distribute_ten
 from physics_dp.distributed import collectives
 from physics_dp.shard_tensor import Shard, ShardTensor
 from physics_dp.shard_tensor import distribute_tensor as shard_distribute_tensor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rank_processes import run_ranks  # noqa: E402
 
 __all__ = [
     "OPS",
@@ -368,40 +370,31 @@ def run_and_report(mesh: DeviceMesh, args: argparse.Namespace) -> str | None:
     return text
 
 
-def _rank_main(args: argparse.Namespace) -> None:
-    """Body run by every rank once the rendezvous variables are set (torchrun or our spawn)."""
+def _rank_body(args: argparse.Namespace) -> None:
+    """Every rank's part once the job is up (under torchrun or :func:`rank_processes.run_ranks`)."""
     from physics_dp.distributed import DistributedManager, build_device_mesh
+
+    run_and_report(build_device_mesh((DistributedManager().world_size,)), args)
+
+
+def _torchrun_rank(args: argparse.Namespace) -> None:
+    """Under torchrun: join its job on gloo, run the body, tear down."""
+    from physics_dp.distributed import DistributedManager
 
     torch.set_num_threads(1)
     DistributedManager.initialize(backend="gloo")
-    manager = DistributedManager()
     try:
-        run_and_report(build_device_mesh((manager.world_size,)), args)
+        _rank_body(args)
     finally:
-        manager.cleanup()
-
-
-def _spawned_rank(local_rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    """torch.multiprocessing.spawn target: play the part torchrun would, then run the body."""
-    os.environ.update({"RANK": str(local_rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    _rank_main(args)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        DistributedManager().cleanup()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun (or any env:// launcher)
-        _rank_main(args)
+        _torchrun_rank(args)
         return
-    import torch.multiprocessing as mp
-
-    mp.spawn(_spawned_rank, args=(args.nproc, _free_port(), args), nprocs=args.nproc, join=True)
+    run_ranks(args.nproc, _rank_body, args, backend="gloo")
 
 
 if __name__ == "__main__":

@@ -29,10 +29,8 @@ import gc
 import importlib.resources
 import json
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -40,13 +38,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import yaml
 from torch._C._profiler import _EventType
 from torch.autograd.profiler import profile
 
 from physics_dp.distributed.collectives import barrier
 from physics_dp.distributed.host_memory import keep_freed_memory
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rank_processes import run_ranks  # noqa: E402
 
 __all__ = [
     "TARGET_SLACK",
@@ -307,6 +307,8 @@ def _rank_body(args: argparse.Namespace, data_parallel: str) -> dict[str, Any]:
     from physics_dp.nn import domain_mesh, parallelize
     from physics_dp.shard_tensor import Shard, distribute_tensor
 
+    if args.allocator == "keep":
+        keep_freed_memory()
     manager = DistributedManager()
     if data_parallel == FLOOR:
         return _floor_body(args, manager.world_size, manager.rank, dist.group.WORLD)
@@ -328,40 +330,9 @@ def _rank_body(args: argparse.Namespace, data_parallel: str) -> dict[str, Any]:
     return {"rank": manager.rank, "local_grid": list(inputs["state"].to_local().shape[-2:]), **result}
 
 
-def _spawned_rank(rank: int, world: int, port: int, args: argparse.Namespace, data_parallel: str, out_path: str) -> None:
-    """torch.multiprocessing.spawn target: join the group, measure, rank 0 writes every rank's result."""
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    torch.set_num_threads(1)
-    from physics_dp.distributed import DistributedManager
-
-    if args.allocator == "keep":
-        keep_freed_memory()
-    DistributedManager.initialize()
-    try:
-        result = _rank_body(args, data_parallel)
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, result)
-        if rank == 0:
-            with open(out_path, "w") as handle:
-                json.dump(gathered, handle)
-    finally:
-        DistributedManager().cleanup()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def sharded_run(args: argparse.Namespace, world: int, data_parallel: str) -> dict[str, Any]:
     """Spawn ``world`` ranks, measure, and merge: the slowest rank's time, the largest peaks."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = os.path.join(tmp, "ranks.json")
-        mp.spawn(_spawned_rank, args=(world, _free_port(), args, data_parallel, out_path), nprocs=world, join=True)
-        with open(out_path) as handle:
-            per_rank = json.load(handle)
+    per_rank = run_ranks(world, _rank_body, args, data_parallel)
     label = (f"{world} procs x1 thr, plain model on 1/{world} of the grid each, no communication (floor)"
              if data_parallel == FLOOR else f"{world} rank{'s' if world > 1 else ''} x1 thr ({data_parallel})")
     merged: dict[str, Any] = {"config": label, "kind": "floor" if data_parallel == FLOOR else "sharded",

@@ -24,17 +24,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from physics_dp.distributed.host_memory import keep_freed_memory
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rank_processes import run_ranks  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -150,17 +152,17 @@ def _slab_with_halo(x: torch.Tensor, case: Case, sizes: list[int], rank: int) ->
     return x.narrow(case.dim, lo, hi - lo).contiguous()
 
 
-def _rank_worker(rank: int, world: int, port: int, names: list[str], repeats: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    keep_freed_memory()
-    torch.set_num_threads(1)
+def _rank_body(names: list[str], repeats: int) -> dict[str, dict]:
+    """This rank's medians, bytes and collectives for each named case, sharded and on its slab."""
     from physics_dp.distributed import DistributedManager
     from physics_dp.distributed.collectives import barrier, count_communication
     from physics_dp.shard_tensor import Shard, distribute_tensor
     from physics_dp.shard_tensor.spec import balanced_sizes
 
-    DistributedManager.initialize()
-    mesh = DistributedManager().initialize_mesh((world,), ("domain",))
+    keep_freed_memory()
+    manager = DistributedManager()
+    rank, world = manager.rank, manager.world_size
+    mesh = manager.initialize_mesh((world,), ("domain",))
     results = {}
     for case in (c for c in CASES if c.name in names):
         gen = torch.Generator().manual_seed(0)
@@ -196,23 +198,13 @@ def _rank_worker(rank: int, world: int, port: int, names: list[str], repeats: in
             "bytes_sent": log.bytes_sent,
             "collectives": log.calls,
         }
-    queue.put((rank, results))
-    DistributedManager().cleanup()
+    return results
 
 
 def _sharded(cases: list[Case], world: int, repeats: int) -> dict[str, dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_worker, args=(r, world, port, [c.name for c in cases], repeats, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    per_rank = dict(queue.get() for _ in procs)
-    for p in procs:
-        p.join()
-    return {case.name: {key: max(per_rank[r][case.name][key] for r in per_rank) for key in per_rank[0][case.name]} for case in cases}
+    """Each case's numbers on the slowest rank (the largest of each value over the ranks)."""
+    per_rank = run_ranks(world, _rank_body, [c.name for c in cases], repeats)
+    return {case.name: {key: max(r[case.name][key] for r in per_rank) for key in per_rank[0][case.name]} for case in cases}
 
 
 def main() -> None:

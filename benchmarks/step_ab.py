@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model_memory import _free_port, _sync, build_model, global_batch  # noqa: E402
+from model_memory import _sync, build_model, global_batch  # noqa: E402
+from rank_processes import run_ranks  # noqa: E402
 
 __all__ = ["alternate_steps", "main"]
 
@@ -96,23 +96,14 @@ def alternate_steps(mesh: Any, grid: Sequence[int], rounds: int, warmup: int) ->
             "sharded_loss": float(first.full_tensor() if hasattr(first, "full_tensor") else first)}
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+def _rank_body(args: argparse.Namespace) -> dict[str, Any]:
+    """One rank's part on a ("data", "domain") = (1, ranks) mesh, with freed memory kept as the trainer does."""
     from physics_dp.distributed import DistributedManager
     from physics_dp.distributed.host_memory import keep_freed_memory
 
     keep_freed_memory()
-    DistributedManager.initialize()
-    try:
-        mesh = DistributedManager().initialize_mesh((1, world), ("data", "domain"))
-        result = alternate_steps(mesh, args.grid, args.rounds, args.warmup)
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, result)
-        if rank == 0:
-            out.put(gathered)
-    finally:
-        DistributedManager().cleanup()
+    mesh = DistributedManager().initialize_mesh((1, args.ranks), ("data", "domain"))
+    return alternate_steps(mesh, args.grid, args.rounds, args.warmup)
 
 
 def summarize(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -157,9 +148,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     args = parser.parse_args(argv)
     if args.ranks < 2 or args.rounds < 1 or args.warmup < 1:
         parser.error("--ranks must be >= 2, --rounds and --warmup >= 1")
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_worker, args=(args.ranks, _free_port(), args, queue), nprocs=args.ranks, start_method="spawn")
-    text = format_report(summarize(queue.get()), args)
+    text = format_report(summarize(run_ranks(args.ranks, _rank_body, args)), args)
     print(text, flush=True)
     return text
 

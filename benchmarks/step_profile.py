@@ -13,28 +13,27 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from model_memory import build_model  # noqa: E402
+from rank_processes import run_ranks  # noqa: E402
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from model_memory import build_model
-
+def _rank_body(args: argparse.Namespace) -> None:
+    """Profile this rank's steps; the chosen rank prints the table."""
     from physics_dp.distributed import DistributedManager
     from physics_dp.distributed.collectives import count_communication
     from physics_dp.distributed.host_memory import keep_freed_memory
     from physics_dp.shard_tensor import Shard, distribute_tensor
 
     keep_freed_memory()  # as the trainer does by default
-    DistributedManager.initialize()
-    mesh = DistributedManager().initialize_mesh((world,), ("domain",))
+    manager = DistributedManager()
+    rank, world = manager.rank, manager.world_size
+    mesh = manager.initialize_mesh((world,), ("domain",))
     height, width = args.grid
     model = build_model((height, width), 3, 5)
     gen = torch.Generator().manual_seed(0)
@@ -63,7 +62,6 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
             print(f"| {event.key} | {event.self_cpu_time_total / 1e3 / args.steps:.1f} | "
                   f"{100 * event.self_cpu_time_total / total:.1f} % | {event.count // args.steps} |")
     dist.barrier()
-    DistributedManager().cleanup()
 
 
 def main() -> None:
@@ -74,10 +72,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=15)
     parser.add_argument("--rank", type=int, default=0, help="the rank whose profile is printed (ranks wait for each other)")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(args.ranks, port, args), nprocs=args.ranks, join=True)
+    run_ranks(args.ranks, _rank_body, args)
 
 
 if __name__ == "__main__":

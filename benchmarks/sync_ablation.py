@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import socket
 import statistics
 import sys
 import time
@@ -30,7 +29,10 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from model_memory import build_model  # noqa: E402
+from rank_processes import run_ranks  # noqa: E402
 
 __all__ = ["ABLATIONS", "ablated", "time_steps", "main"]
 
@@ -71,11 +73,6 @@ def ablated(name: str) -> Iterator[None]:
 
 def time_steps(mesh: Any, grid: Sequence[int], steps: int, ablation: str) -> tuple[float, int]:
     """(median step seconds, collectives per step) of this rank under ``ablation``, barrier-timed, on a 1-D ``mesh``."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    if here not in sys.path:  # model_memory is a sibling script, not a package module
-        sys.path.insert(0, here)
-    from model_memory import build_model
-
     from physics_dp.distributed.collectives import barrier, count_communication
     from physics_dp.shard_tensor import Shard, distribute_tensor
 
@@ -104,19 +101,12 @@ def time_steps(mesh: Any, grid: Sequence[int], steps: int, ablation: str) -> tup
     return statistics.median(times), log.calls
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+def _rank_body(args: argparse.Namespace) -> list[tuple[str, float, int]]:
+    """Every ablation in turn on this rank of a 1-D domain mesh: (name, median step seconds, collectives)."""
     from physics_dp.distributed import DistributedManager
 
-    DistributedManager.initialize()
-    try:
-        mesh = DistributedManager().initialize_mesh((world,), ("domain",))
-        rows = [(name, *time_steps(mesh, args.grid, args.steps, name)) for name in ABLATIONS]
-        if rank == 0:
-            out.put(rows)
-    finally:
-        DistributedManager().cleanup()
+    mesh = DistributedManager().initialize_mesh((args.ranks,), ("domain",))
+    return [(name, *time_steps(mesh, args.grid, args.steps, name)) for name in ABLATIONS]
 
 
 def main(argv: Sequence[str] | None = None) -> str:
@@ -125,12 +115,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--grid", nargs=2, type=int, default=[256, 384], metavar=("H", "W"))
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args(argv)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_worker, args=(args.ranks, port, args, queue), nprocs=args.ranks, start_method="spawn")
-    rows = queue.get()
+    rows = run_ranks(args.ranks, _rank_body, args)[0]
     full = rows[0][1]
     lines = [f"StormCast lite step, {args.ranks} ranks x 1 thread, grid {args.grid[0]}x{args.grid[1]}, median of {args.steps}",
              "(ablations compute wrong numbers on purpose)", "",
