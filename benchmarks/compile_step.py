@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model_memory import _sync, build_model, global_batch  # noqa: E402
+from model_memory import _sync, build_model, global_batch, training_step  # noqa: E402
 from rank_processes import run_ranks  # noqa: E402
 
 from physics_dp.distributed.collectives import barrier  # noqa: E402
@@ -40,16 +40,13 @@ def time_steps(
     before_each: Callable[[], None] = lambda: None,
 ) -> dict[str, float]:
     """Warm-up seconds (compilation included) and the median of ``steps`` timed training steps."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    train, _ = training_step(model, inputs)
 
     def step() -> float:
         before_each()
         _sync(device)
         start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        out = model(inputs["state"], inputs["condition"])
-        ((out - inputs["target"]) ** 2).mean().backward()
-        optimizer.step()
+        train()
         _sync(device)
         return time.perf_counter() - start
 

@@ -56,6 +56,7 @@ __all__ = [
     "global_batch",
     "build_model",
     "profile_step_memory",
+    "training_step",
     "measure_step",
     "plain_reference",
     "summarize",
@@ -123,6 +124,25 @@ class StepMemory:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def training_step(
+    model: torch.nn.Module, inputs: dict[str, torch.Tensor], parameters: Sequence[torch.nn.Parameter] | None = None
+) -> tuple[Callable[[], tuple[torch.Tensor, torch.Tensor]], torch.optim.Optimizer]:
+    """The training step every script here times, as a closure returning (output, detached loss),
+    and its optimizer: ``zero_grad(set_to_none=True)``, forward, ``((out - target)**2).mean()``,
+    backward, AdamW step over ``parameters`` (default: the model's)."""
+    optimizer = torch.optim.AdamW(model.parameters() if parameters is None else parameters, lr=1e-4)
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        optimizer.zero_grad(set_to_none=True)
+        out = model(inputs["state"], inputs["condition"])
+        loss = ((out - inputs["target"]) ** 2).mean()
+        loss.backward()
+        optimizer.step()
+        return out, loss.detach()
+
+    return step, optimizer
 
 
 def _allocation_events(prof: profile, device: torch.device) -> list[tuple[int, int, int]]:
@@ -219,35 +239,31 @@ def measure_step(
 
     if warmup < 1:
         raise ValueError("warmup must be >= 1: the first AdamW step allocates the optimizer state, which is not step memory")
-    optimizer = torch.optim.AdamW(parameters, lr=1e-4)
+    train, optimizer = training_step(model, inputs, parameters)
     last: dict[str, Any] = {}
 
-    def forward_backward_update() -> None:
-        out = model(inputs["state"], inputs["condition"])
-        loss = ((out - inputs["target"]) ** 2).mean()
-        loss.backward()
-        optimizer.step()
-        last.update(loss=loss.detach(), output_type=type(out).__name__, output_placements=repr(tuple(getattr(out, "placements", ()))))
+    def recorded_step() -> None:
+        out, loss = train()
+        last.update(loss=loss, output_type=type(out).__name__, output_placements=repr(tuple(getattr(out, "placements", ()))))
 
     samples = []
     for i in range(warmup + steps):
         before_each()
         _sync(device)
         start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        forward_backward_update()
+        train()
         _sync(device)
         if i >= warmup:
             samples.append(time.perf_counter() - start)
     before_each()
-    optimizer.zero_grad(set_to_none=True)
-    last.clear()
+    for p in parameters:  # the profiled step starts, as every step does, without gradients
+        p.grad = None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         allocated_before = torch.cuda.memory_allocated(device)
     with count_communication() as log:
         memory = profile_step_memory(
-            forward_backward_update, lambda: [p.grad for p in parameters if p.grad is not None], device
+            recorded_step, lambda: [p.grad for p in parameters if p.grad is not None], device
         )
     loss = last.pop("loss")
     result: dict[str, Any] = {

@@ -34,26 +34,17 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model_memory import _sync, build_model, global_batch  # noqa: E402
+from model_memory import _sync, build_model, global_batch, training_step  # noqa: E402
 from rank_processes import run_ranks  # noqa: E402
 
 __all__ = ["alternate_steps", "main"]
 
 
-def _training_step(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[Callable[[], None], list[torch.Tensor]]:
-    """A closure running one AdamW training step of ``model`` on ``inputs``, and the losses it records."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+def _recording_losses(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[Callable[[], None], list[torch.Tensor]]:
+    """:func:`model_memory.training_step` of ``model`` on ``inputs``, and the list of losses it appends to."""
+    train, _ = training_step(model, inputs)
     losses: list[torch.Tensor] = []
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        out = model(inputs["state"], inputs["condition"])
-        loss = ((out - inputs["target"]) ** 2).mean()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.detach())
-
-    return step, losses
+    return lambda: losses.append(train()[1]), losses
 
 
 def alternate_steps(mesh: Any, grid: Sequence[int], rounds: int, warmup: int) -> dict[str, Any]:
@@ -69,12 +60,12 @@ def alternate_steps(mesh: Any, grid: Sequence[int], rounds: int, warmup: int) ->
     domain = domain_mesh(mesh)
     device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
     batch = {k: v.to(device) for k, v in global_batch(1, 3, 5, tuple(grid), 0).items()}
-    sharded_step, sharded_losses = _training_step(
+    sharded_step, sharded_losses = _recording_losses(
         parallelize(build_model(tuple(grid), 3, 5).to(device), mesh, "none"),
         {k: distribute_tensor(v, domain, [Shard(2)]) for k, v in batch.items()},
     )
     lead = dist.get_rank() == 0
-    plain_step, plain_losses = _training_step(build_model(tuple(grid), 3, 5).to(device), batch) if lead else (None, [])
+    plain_step, plain_losses = _recording_losses(build_model(tuple(grid), 3, 5).to(device), batch) if lead else (None, [])
     plain, sharded = [], []
     for index in range(warmup + rounds):
         dist.barrier()  # gloo: the ranks not running the plain step wait off the CPU
