@@ -85,6 +85,7 @@ class HostChannel:
         memory = torch.frombuffer(mapping, dtype=torch.uint8, offset=header, count=_segment_bytes(world) - header)
         collective_bytes = _BANKS * world * SLOT_BYTES
         self._banks = memory[:collective_bytes].view(_BANKS, world, SLOT_BYTES)
+        self._typed_banks: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # (bank, dtype) -> (world, slot) view
         self._mailboxes = memory[collective_bytes:].view(world, world, _BANKS, MESSAGE_SLOT_BYTES)
         self._peers = [p for p in range(world) if p != rank]
         self._pids = peer_pids
@@ -106,20 +107,19 @@ class HostChannel:
 
     # ----- collectives ----------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
-        """A new tensor: the elementwise sum, max or min of ``tensor`` over the group's ranks."""
+        """A new tensor: the elementwise sum, max or min of ``tensor`` over the group's ranks.
+
+        One slot's worth (every small all-reduce: statistics, losses, barriers) is one exchange and
+        one reduction, no more tensor ops: each costs microseconds, as much as the exchange itself.
+        """
         flat = tensor.reshape(-1)
-        out = torch.empty_like(flat)
         per_round = SLOT_BYTES // flat.element_size()
-        for start in range(0, max(flat.numel(), 1), per_round):  # one round per slot's worth
+        if flat.numel() <= per_round:
+            return _reduce_rows(self._exchange(flat, [flat.numel()] * self.world), reduce_op).view(tensor.shape)
+        out = torch.empty_like(flat)
+        for start in range(0, flat.numel(), per_round):  # one round per slot's worth
             piece = flat[start : start + per_round]
-            rows = self._exchange(piece, [piece.numel()] * self.world)
-            target = out[start : start + per_round]
-            if reduce_op == "max":
-                torch.amax(rows, 0, out=target)
-            elif reduce_op == "min":
-                torch.amin(rows, 0, out=target)
-            else:
-                torch.sum(rows, 0, dtype=tensor.dtype, out=target)
+            _reduce_rows(self._exchange(piece, [piece.numel()] * self.world), reduce_op, out=out[start : start + per_round])
         return out.view(tensor.shape)
 
     def all_gather(self, flat: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -130,15 +130,21 @@ class HostChannel:
     def _exchange(self, flat: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Publish ``flat``; return the bank as (world, max count) of its dtype once every peer has published."""
         self._calls += 1
-        bank = self._banks[self._calls % 2]
-        itemsize = flat.element_size()
-        nbytes = max(counts) * itemsize
+        bank = self._typed_bank(self._calls % 2, flat.dtype)
         if flat.numel():
-            bank[self.rank, : flat.numel() * itemsize].view(flat.dtype).copy_(flat)
+            bank[self.rank, : flat.numel()].copy_(flat)
         self._counters[self._collective_counter(self.rank)] = self._calls
         for peer in self._peers:
             self._wait_until(self._collective_counter(peer), self._calls, peer)
-        return bank[:, :nbytes].view(flat.dtype)
+        return bank[:, : max(counts)]
+
+    def _typed_bank(self, bank: int, dtype: torch.dtype) -> torch.Tensor:
+        """Bank ``bank`` as (world, slot) elements of ``dtype``, made once per dtype (a view costs microseconds)."""
+        key = (bank, dtype)
+        typed = self._typed_banks.get(key)
+        if typed is None:
+            typed = self._typed_banks[key] = self._banks[bank].view(dtype)
+        return typed
 
     def all_to_all(self, sends: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
         """Copy ``sends[p]`` into peer ``p``'s ``outs[self.rank]``; pieces of any size and strides.
@@ -242,11 +248,20 @@ class HostChannel:
     def close(self) -> None:
         """Unmap now if nothing else holds the slots; otherwise the mapping goes with its last tensor."""
         self._counters.release()
-        del self._banks, self._mailboxes
+        del self._banks, self._mailboxes, self._typed_banks
         try:
             self._mapping.close()
         except BufferError:
             pass
+
+
+def _reduce_rows(rows: torch.Tensor, reduce_op: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The sum, max or min over the ranks' rows (dim 0), in their dtype (integers are not widened)."""
+    if reduce_op == "max":
+        return torch.amax(rows, 0, out=out)
+    if reduce_op == "min":
+        return torch.amin(rows, 0, out=out)
+    return torch.sum(rows, 0, dtype=rows.dtype, out=out)
 
 
 def _blocks(piece: torch.Tensor, limit: int) -> list[torch.Tensor]:

@@ -29,6 +29,8 @@ def _results_against_gloo() -> dict:
     out["avg"] = (collectives.all_reduce(values, "avg", group), out["sum"][1] / world)
     ints = torch.arange(4, dtype=torch.int64) * (rank + 1)
     out["int sum"] = (collectives.all_reduce(ints, "sum", group), torch.arange(4) * sum(range(1, world + 1)))
+    out["int32 max"] = (collectives.all_reduce(ints.int(), "max", group), torch.arange(4, dtype=torch.int32) * world)
+    out["empty"] = (collectives.all_reduce(torch.zeros(0, 3), "sum", group), torch.zeros(0, 3))  # every rank still calls
     sizes = [r + 1 for r in range(world)]  # uneven pieces, one row per rank more
     piece = torch.full((rank + 1, 2), float(rank), dtype=torch.float32)
     expected_gather = torch.cat([torch.full((r + 1, 2), float(r)) for r in range(world)])
@@ -45,6 +47,7 @@ def test_collectives_match_gloo_and_agree_bitwise_across_ranks(world):
         assert result["calls"] is not None and result["calls"] >= 7  # the channel carried them
         for name, (actual, expected) in result["pairs"].items():
             torch.testing.assert_close(actual, expected.to(actual.dtype), rtol=1e-12, atol=1e-12, msg=name)
+        assert result["pairs"]["int32 max"][0].dtype == torch.int32  # reduced in its own dtype, not widened
     for result in results[1:]:
         assert torch.equal(result["sum bits"], results[0]["sum bits"])
 
