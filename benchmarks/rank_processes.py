@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import sys
 import tempfile
 from collections.abc import Callable
@@ -31,14 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "run_ranks"]
+from physics_dp.testing import free_port
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now, for the job's rendezvous."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+__all__ = ["run_ranks"]
 
 
 def run_ranks(world: int, body: Callable[..., Any], *args: Any, backend: str | None = None) -> list[Any]:

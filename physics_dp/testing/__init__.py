@@ -1,7 +1,7 @@
 """Helpers for testing distributed code: a persistent multi-process rank pool and sharded-vs-single checks."""
 
 from .compare import MatchReport, assert_sharded_matches
-from .rank_pool import RankFailure, get_mesh, run_on_ranks, shutdown_pools
+from .rank_pool import RankFailure, free_port, get_mesh, run_on_ranks, shutdown_pools
 from .traffic import forward_backward_traffic
 
 __all__ = [
@@ -9,6 +9,7 @@ __all__ = [
     "RankFailure",
     "assert_sharded_matches",
     "forward_backward_traffic",
+    "free_port",
     "get_mesh",
     "run_on_ranks",
     "shutdown_pools",

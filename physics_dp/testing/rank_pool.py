@@ -135,7 +135,7 @@ class _RankPool:
 
     def _start(self) -> None:
         ctx = _context()
-        port = _free_port()
+        port = free_port()
         with _patched_environ(_THREAD_ENV):
             for rank in range(self.world_size):
                 parent_end, child_end = ctx.Pipe(duplex=True)
@@ -294,7 +294,8 @@ def _context() -> BaseContext:
     return ctx
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now, for a job's rendezvous."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

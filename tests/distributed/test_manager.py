@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ import torch.distributed as dist
 
 from physics_dp.distributed import DistributedManager, resolve_mesh_shape
 from physics_dp.distributed.launch_env import detect, expand_nodelist, from_slurm, from_torchrun
-from physics_dp.testing import run_on_ranks
+from physics_dp.testing import free_port, run_on_ranks
 
 LAUNCH_VARS = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
@@ -220,8 +219,5 @@ def _cleanup_and_rejoin(port: int) -> float:
 
 
 def test_cleanup_and_rejoin_on_real_ranks() -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    assert run_on_ranks(2, _cleanup_and_rejoin, port) == [1.0, 1.0]
+    assert run_on_ranks(2, _cleanup_and_rejoin, free_port()) == [1.0, 1.0]
     assert run_on_ranks(2, _layout)[1][0] == 1  # the pool keeps working on the new group
