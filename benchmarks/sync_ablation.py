@@ -48,10 +48,13 @@ def ablated(name: str) -> Iterator[None]:
 
     if name not in ABLATIONS:
         raise ValueError(f"unknown ablation {name!r}; expected one of {ABLATIONS}")
-    saved = (normalization.merge_over, collectives.all_reduce, collectives.start_exchange)
+    saved = (normalization.merge_moments, collectives.all_reduce, collectives.start_exchange)
     real_all_reduce = collectives.all_reduce
     if name in ("no-small-reduces", "neither"):
-        normalization.merge_over = lambda count, mean, m2, groups: (count, mean, m2)
+        def merge_moments(count: int, mean: torch.Tensor, var: torch.Tensor, groups: Any) -> tuple[torch.Tensor, ...]:
+            return torch.full((1,), float(count), dtype=torch.float64), mean.reshape(-1).double(), var.reshape(-1).double()
+
+        normalization.merge_moments = merge_moments
 
         def all_reduce(tensor: torch.Tensor, reduce_op: str, group: Any) -> torch.Tensor:
             if tensor.numel() * tensor.element_size() < _SMALL_BYTES:
@@ -68,7 +71,7 @@ def ablated(name: str) -> Iterator[None]:
     try:
         yield
     finally:
-        normalization.merge_over, collectives.all_reduce, collectives.start_exchange = saved
+        normalization.merge_moments, collectives.all_reduce, collectives.start_exchange = saved
 
 
 def time_steps(mesh: Any, grid: Sequence[int], steps: int, ablation: str) -> tuple[float, int]:

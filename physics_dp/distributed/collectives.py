@@ -26,6 +26,7 @@ __all__ = [
     "CommLog",
     "count_communication",
     "all_gather_along_dim",
+    "all_gather_rows",
     "all_to_all_chunks",
     "all_to_all_into",
     "all_to_all_joined",
@@ -165,6 +166,26 @@ def _traced_all_to_all(
     out_splits = [int(torch.Size(s).numel()) for s in recv_shapes]
     received = _functional_all_to_all(torch.cat([piece.reshape(-1) for piece in send]), out_splits, in_splits, group)
     return [p.view(tuple(s)) for p, s in zip(torch.split(received, out_splits), recv_shapes)]
+
+
+def all_gather_rows(flat: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Every group rank's 1-D ``flat`` (one length on all), stacked in rank order: (world, length).
+
+    For small messages of a known, equal size (merged statistics): no shape exchange, and through
+    the host channel one exchange and one copy.
+    """
+    world = _group_size(group)
+    if world == 1:
+        return flat.unsqueeze(0)
+    if is_tracing():
+        return funcol.all_gather_tensor(flat.contiguous(), 0, group).view(world, -1)
+    _record("all_gather", _nbytes(flat) * (world - 1))
+    channel = channel_for(group, flat, _nbytes(flat))
+    if channel is not None:
+        return channel.gather_rows(flat)
+    out = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)  # gloo takes a flat output only
+    dist.all_gather_into_tensor(out, flat.contiguous(), group=group)
+    return out.view(world, -1)
 
 
 def all_gather_along_dim(

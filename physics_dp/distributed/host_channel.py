@@ -127,6 +127,10 @@ class HostChannel:
         rows = self._exchange(flat, counts)
         return torch.cat([rows[p, : counts[p]] for p in range(self.world)])
 
+    def gather_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """Every rank's 1-D ``flat`` of one length, as a new (world, length) tensor."""
+        return self._exchange(flat, [flat.numel()] * self.world).clone()
+
     def _exchange(self, flat: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Publish ``flat``; return the bank as (world, max count) of its dtype once every peer has published."""
         self._calls += 1

@@ -1,4 +1,4 @@
-"""Global moments (count, mean, M2) of sharded data: fused local kernels, a float64 merge of the few.
+"""Global moments (count, mean, variance) of sharded data: fused local kernels, a float64 merge of the few.
 
 Normalization takes its local statistics from torch's fused row-moments kernel (the one inside
 ``native_group_norm``: one pass in the input's dtype, what torch's own normalization computes, and
@@ -7,8 +7,9 @@ it writes the rows normalized locally, which the normalization rescales in place
 reductions must equal ``torch.var`` itself, so they use the slower exact path (a float64 sum for
 the mean, then ``torch.var``).  Only the per-statistic results, whose number is that of the
 statistics (e.g. N * groups) and never the grid size, are merged across ranks in float64 with
-Chan et al.'s parallel algorithm: no E[x^2] - E[x]^2 cancellation, and an empty shard has count
-0 and weighs nothing.
+Chan et al.'s parallel algorithm (the variance as the weighted mean of the parts' variances plus
+their means' spread about the merged mean): no E[x^2] - E[x]^2 cancellation, and an empty shard
+has count 0 and weighs nothing.
 """
 
 from __future__ import annotations
@@ -21,29 +22,28 @@ from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
 
-__all__ = ["exact_local_moments", "merge_moments", "merge_over", "global_moments", "normalized_rows", "LOW_PRECISION"]
+__all__ = ["exact_local_moments", "merge_moments", "global_moments", "row_moments", "LOW_PRECISION"]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def normalized_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def row_moments(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused group-norm kernel on a (P, Q) tensor with Q > 0: (the rows normalized by their own
-    statistics, (P, Q); their float64 means, 1 / std and M2).
+    statistics, (P, Q); their means and 1 / std, (P,), in the rows' dtype).
 
-    eps = 0 makes rstd = var^-1/2 exactly as computed (inf for a constant row, whose normalized
-    values are then not finite), so M2 = Q / rstd^2.
+    eps = 0 makes rstd = var^-1/2 exactly as computed: inf for a constant row (whose normalized
+    values are then not finite), so var = rstd^-2 is 0 there.
     """
-    p, q = rows.shape
-    normalized, mean, rstd = torch.ops.aten.native_group_norm(rows.reshape(1, p, q), None, None, 1, p, q, p, 0.0)
-    rstd = rstd.double().reshape(p)
-    return normalized.view(p, q), mean.double().reshape(p), rstd, rstd.pow(-2) * q
+    p, q = rows.shape  # the kernel takes contiguous rows only (a strided view's rows are copied)
+    normalized, mean, rstd = torch.ops.aten.native_group_norm(rows.reshape(1, p, q).contiguous(), None, None, 1, p, q, p, 0.0)
+    return normalized.view(p, q), mean.view(p), rstd.view(p)
 
 
 def exact_local_moments(x: torch.Tensor, dims: Sequence[int]) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(count, mean, M2) as ``torch.var`` computes them: the mean summed in float64.
+    """(count, mean, biased variance) as ``torch.var`` computes them: the mean summed in float64.
 
     A mean rounded to the input dtype would carry its rounding error (an ulp of the offset, large
-    for data far from zero) into the merged M2.
+    for data far from zero) into the merged variance.
     """
     dims = tuple(dims)
     count = math.prod(x.shape[d] for d in dims)
@@ -52,41 +52,48 @@ def exact_local_moments(x: torch.Tensor, dims: Sequence[int]) -> tuple[int, torc
         zeros = torch.zeros(shape, dtype=torch.float64, device=x.device)
         return count, zeros, zeros.clone()
     mean = x.sum(dims, keepdim=True, dtype=torch.float64) / count
-    m2 = torch.var(x, dims, correction=0, keepdim=True).double() * count
-    return count, mean, m2
+    var = torch.var(x, dims, correction=0, keepdim=True).double()
+    return count, mean, var
+
+
+def _merged(counts: torch.Tensor, means: torch.Tensor, variances: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Chan et al.'s merge of the rows of (R, S) means and biased variances, row ``r`` standing for
+    ``counts[r]`` values ((R, 1)): (total (1,), mean (S,), variance (S,)), in a handful of ops."""
+    total = counts.sum(0)
+    weights = counts / total.clamp(min=1)  # an empty part weighs nothing, an empty whole gives zeros
+    mean = (weights * means).sum(0)
+    spread = (means - mean).square_().add_(variances)
+    return total, mean, spread.mul_(weights).sum(0)
 
 
 def merge_moments(
-    count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, group: ProcessGroup
+    count: int, mean: torch.Tensor, var: torch.Tensor, groups: Sequence[ProcessGroup]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Chan et al.'s merge of every rank's (count, mean, M2) along ``group``: one all-gather."""
+    """The moments over every rank along ``groups`` (in turn) of statistics each rank holds for
+    ``count`` of its values: (total count (1,), mean (S,), biased variance (S,)), float64.
+
+    ``mean`` and ``var`` have S entries (any shape, any float dtype).  Each group costs one
+    all-gather of ``1 + 2 * S`` float64 values; the merge is Chan's formula on those few values.
+    """
+    total = torch.full((1,), float(count), dtype=torch.float64, device=mean.device)
+    mean, var = mean.reshape(-1), var.reshape(-1)
+    if not groups:  # statistics of the slab alone (e.g. to be averaged over a split batch): float64 all the same
+        return total, mean.double(), var.double()
     size = mean.numel()
-    packed = torch.cat([count.reshape(1), mean.reshape(-1), m2.reshape(-1)])
-    parts = torch.distributed.get_world_size(group)
-    gathered = collectives.all_gather_along_dim(packed.unsqueeze(0), [1] * parts, 0, group)
-    counts, means, m2s = gathered[:, :1], gathered[:, 1 : 1 + size], gathered[:, 1 + size :]
-    total = counts.sum()
-    merged_mean = (counts * means).sum(0) / total.clamp(min=1)
-    merged_m2 = m2s.sum(0) + (counts * (means - merged_mean) ** 2).sum(0)
-    return total, merged_mean.view_as(mean), merged_m2.view_as(m2)
-
-
-def merge_over(
-    count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor, groups: Sequence[ProcessGroup]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`merge_moments` along each group in turn: the moments of the slabs of every rank."""
     for group in groups:
-        count, mean, m2 = merge_moments(count, mean, m2, group)
-    return count, mean, m2
+        gathered = collectives.all_gather_rows(torch.cat((total, mean, var)), group)  # promoted to float64
+        total, mean, var = _merged(gathered[:, :1], gathered[:, 1 : 1 + size], gathered[:, 1 + size :])
+    return total, mean, var
 
 
 def global_moments(
     x: torch.Tensor, dims: Sequence[int], groups: Sequence[ProcessGroup]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Global (count, mean, M2) in float64 over ``dims`` of the slabs ``x``, as ``torch.var`` computes
-    them (for the var/std reductions), merged along each group in turn.
+    """Global (count, mean, biased variance) in float64 over ``dims`` of the slabs ``x``, as
+    ``torch.var`` computes them (for the var/std reductions), shaped as a keepdim reduction.
 
     One all-gather of ``1 + 2 * stats`` values per group (a single one for the whole job).
     """
-    count, mean, m2 = exact_local_moments(x, dims)
-    return merge_over(torch.tensor(float(count), dtype=torch.float64, device=x.device), mean, m2, groups)
+    count, mean, var = exact_local_moments(x, dims)
+    total, merged_mean, merged_var = merge_moments(count, mean, var, groups)
+    return total, merged_mean.view_as(mean), merged_var.view_as(var)

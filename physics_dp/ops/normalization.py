@@ -22,6 +22,7 @@ the batch split, eval-mode batch norm) the op runs on the slab with no communica
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -34,9 +35,9 @@ from ..distributed import collectives
 from ..distributed.tracing import is_tracing
 from ..shard_tensor import Replicate, ShardTensor
 from ..shard_tensor.dispatch import run_default
-from ._local import ShardedOpError, data_axes, groups_spanning, local_input, local_param, sharded_axes, wrap_local
+from ._local import ShardedOpError, data_axes, groups_spanning, local_input, local_param, sharded_axes, wrap_local, wrap_local_as
 from .grad_sums import SumGradOverGroups, creating_graph, sum_shares
-from .moments import LOW_PRECISION, merge_over, normalized_rows
+from .moments import LOW_PRECISION, merge_moments, row_moments
 
 __all__: list[str] = []
 
@@ -46,7 +47,9 @@ class _StatLayout:
     """Which (N, C, L) entries share a statistic: ``groups`` runs of channels, per sample or not.
 
     Group norm: per (sample, group); instance norm: per (sample, channel) (groups = C); batch norm:
-    per channel over the whole batch (``per_sample`` False, groups = C).
+    per channel over the whole batch (``per_sample`` False, groups = C).  Statistics and the
+    coefficients made from them are shaped (N or 1, groups, 1), so that they broadcast against
+    (N, groups, channels per group) and against the per-parameter (groups, channels per group).
     """
 
     __slots__ = ("groups", "per_sample")
@@ -55,46 +58,55 @@ class _StatLayout:
         self.groups, self.per_sample = groups, per_sample
 
     def local_moments(self, x3: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor, _LocalRows | None]:
-        """(count, mean, M2) per statistic of the slab, float64, shaped (N or 1, groups), and the
-        slab normalized by the statistics of its own rows (None for an empty slab)."""
+        """(values per statistic, mean, biased variance) of the slab, shaped (N or 1, groups), and
+        the slab normalized by the statistics of its own rows (None for an empty slab)."""
         n, c, length = x3.shape
+        rows = n if self.per_sample else 1
         if x3.numel() == 0:  # count, and zero moments that weigh nothing in the merge
-            rows, stats = (n, self.groups) if self.per_sample else (1, c)
-            zeros = torch.zeros(rows, stats, dtype=torch.float64, device=x3.device)
-            count = c // self.groups * length if self.per_sample else n * length
-            return count, zeros, zeros.clone(), None
-        rows = x3.reshape(n * self.groups, -1) if self.per_sample else x3.reshape(n * c, length)
-        normalized, row_mean, row_rstd, row_m2 = normalized_rows(rows)
+            zeros = torch.zeros(rows, self.groups, dtype=torch.float64, device=x3.device)
+            return (c // max(self.groups, 1) * length if self.per_sample else n * length), zeros, zeros, None
+        normalized, mean, rstd = row_moments(x3.reshape(n * self.groups, -1) if self.per_sample else x3.reshape(n * c, length))
+        local = _LocalRows(normalized.view(n, c, length), mean.view(n, -1, 1), rstd.view(n, -1, 1))
+        var = rstd.double().pow(-2).view(n, -1)
         if self.per_sample:  # a row is a (sample, group)
-            mean, m2 = row_mean.view(n, self.groups), row_m2.view(n, self.groups)
-            local = _LocalRows(normalized.view(n, c, length), self.per_channel(mean, c), self.per_channel(row_rstd.view(n, -1), c))
-            return rows.shape[1], mean, m2, local
-        # a row is a (sample, channel): Chan's merge over the rank's samples
-        mean_nc, m2_nc = row_mean.view(n, c), row_m2.view(n, c)
-        mean = mean_nc.mean(0, keepdim=True)
-        m2 = m2_nc.sum(0, keepdim=True) + length * (mean_nc - mean).square().sum(0, keepdim=True)
-        return n * length, mean, m2, _LocalRows(normalized.view(n, c, length), mean_nc, row_rstd.view(n, c))
+            return normalized.shape[1], mean.view(n, -1), var, local
+        if n == 1:  # a row is a channel
+            return length, mean.view(1, c), var, local
+        mean_nc = mean.view(n, c).double()  # a row is a (sample, channel): the mean of the samples' moments
+        merged = mean_nc.mean(0, keepdim=True)
+        return n * length, merged, (mean_nc - merged).square_().add_(var).mean(0, keepdim=True), local
 
-    def per_channel(self, stat: torch.Tensor, channels: int) -> torch.Tensor:
-        """A (N or 1, groups) statistic repeated over the channels of each group: (N or 1, C)."""
-        rows = stat.shape[0]
-        return stat.view(rows, self.groups, 1).expand(rows, self.groups, channels // self.groups).reshape(rows, channels)
-
-    def per_stat(self, values: torch.Tensor) -> torch.Tensor:
-        """Sums of (N or 1, C) values over the channels sharing each statistic: (N or 1, groups)."""
-        rows, c = values.shape
-        return values.view(rows, self.groups, c // self.groups).sum(2)
+    def expanded(self, per_stat: torch.Tensor, n: int, channels: int, dtype: torch.dtype) -> torch.Tensor:
+        """A (N or 1, groups, 1 or channels per group) coefficient as the (N * C,) vector of ``dtype`` a kernel takes."""
+        return per_stat.expand(n, self.groups, channels // self.groups).to(dtype).reshape(-1)
 
 
 class _LocalRows(NamedTuple):
-    """The slab (N, C, L) normalized by its own rows' statistics, which are given per (sample, channel)."""
+    """The slab (N, C, L) normalized by its own rows' statistics, (N, rows per sample, 1) each."""
 
     normalized: torch.Tensor
-    mean: torch.Tensor  # float64 (N, C)
-    rstd: torch.Tensor  # float64 (N, C); inf where a row is constant
+    mean: torch.Tensor
+    rstd: torch.Tensor  # inf where a row is constant
 
 
-def _rescaled(local: _LocalRows, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor | None:
+@functools.lru_cache(maxsize=64)
+def _constants(size: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(zeros, ones, an empty tensor): the running statistics of an identity batch norm, and a
+    scratch output.  Made once per size (the kernels only read them; making them costs as much as
+    the small kernels they serve)."""
+    with torch.inference_mode(False):  # usable outside inference mode too
+        return (torch.zeros(size, dtype=dtype, device=device), torch.ones(size, dtype=dtype, device=device),
+                torch.empty(0, dtype=dtype, device=device))
+
+
+def _identity_stats(size: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_constants` for ``like``'s dtype and device; fresh ones while tracing (no global state in a graph)."""
+    if is_tracing():
+        return like.new_zeros(size), like.new_ones(size), like.new_empty(0)
+    return _constants(size, like.dtype, like.device)
+
+
+def _rescaled(local: _LocalRows, scale: torch.Tensor, shift: torch.Tensor, layout: _StatLayout) -> torch.Tensor | None:
     """x * scale + shift computed in place from the locally normalized slab, or None where it cannot be.
 
     x = normalized / rstd + mean, so the result is normalized * (scale / rstd) + (mean * scale + shift):
@@ -106,11 +118,13 @@ def _rescaled(local: _LocalRows, scale: torch.Tensor, shift: torch.Tensor) -> to
     normalized = local.normalized
     if is_tracing() or normalized.device.type != "cpu" or not normalized.is_contiguous() or bool(torch.isinf(local.rstd).any()):
         return None  # (a non-contiguous slab would be reshaped into a copy, and the copy rescaled)
-    return _scale_shift(normalized, scale / local.rstd, local.mean * scale + shift, in_place=True)
+    return _scale_shift(normalized, scale / local.rstd, torch.addcmul(shift, local.mean, scale), layout, in_place=True)
 
 
-def _scale_shift(x3: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, in_place: bool = False) -> torch.Tensor:
-    """x3 * scale + shift with (N or 1, C) coefficients, in one fused pass (over x3 itself if ``in_place``).
+def _scale_shift(
+    x3: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, layout: _StatLayout, in_place: bool = False
+) -> torch.Tensor:
+    """x3 * scale + shift with coefficients per (sample, channel), in one fused pass (over x3 itself if ``in_place``).
 
     Eval-mode batch norm with mean 0 and variance 1 computes exactly ``x * weight + bias`` per
     channel; viewing (N, C, L) as one sample of N * C channels gives per-(sample, channel) values.
@@ -120,43 +134,41 @@ def _scale_shift(x3: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, in_
     n, c, length = x3.shape
     if x3.numel() == 0:  # an empty shard (the kernel cannot take zero channels)
         return x3 if in_place else torch.empty_like(x3)
-    scale = scale.to(x3.dtype).expand(n, c).reshape(-1)
-    shift = shift.to(x3.dtype).expand(n, c).reshape(-1)
-    zeros, ones = torch.zeros_like(scale), torch.ones_like(scale)
+    weight, bias = layout.expanded(scale, n, c, x3.dtype), layout.expanded(shift, n, c, x3.dtype)
+    zeros, ones, scratch = _identity_stats(n * c, x3)
     rows = x3.reshape(1, n * c, length)
     if not in_place:
-        return torch.batch_norm(rows, scale, shift, zeros, ones, False, 0.0, 0.0, False).view(n, c, length)
-    unused = rows.new_empty(0)
+        return torch.batch_norm(rows, weight, bias, zeros, ones, False, 0.0, 0.0, False).view(n, c, length)
     torch.ops.aten.native_batch_norm.out(
-        rows, scale, shift, zeros, ones, False, 0.0, 0.0, out=rows, save_mean=unused, save_invstd=unused
+        rows, weight, bias, zeros, ones, False, 0.0, 0.0, out=rows, save_mean=scratch, save_invstd=scratch
     )
     return x3
 
 
-def _row_sums(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
-    """Per channel of the (N, C, L) tensors: the sums of dy and of dy * xhat, stacked (2, C), float64.
+def _row_sums(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """Per channel of the (N, C, L) tensors: the sums of dy and of dy * (x - mean), stacked (2, C), float64.
 
     torch's batch-norm backward reduces both in one pass over ``grad`` and ``x`` (two separate
-    reductions read the gradient twice), with xhat centered by the given statistics.
+    reductions read the gradient twice); given 1 / std = 1 it leaves the scaling to the caller.
     """
     channels = x.shape[1]
     if x.numel() == 0:  # an empty shard (the kernel divides by its extents)
         return torch.zeros(2, channels, dtype=torch.float64, device=x.device)
-    _, sum_g_xhat, sum_g = torch.ops.aten.native_batch_norm_backward(
-        grad, x, None, None, None, mean.to(x.dtype).reshape(channels), rstd.to(x.dtype).reshape(channels),
-        True, 0.0, [False, True, True],
+    _, ones, _ = _identity_stats(channels, x)
+    _, sum_dy_xmu, sum_dy = torch.ops.aten.native_batch_norm_backward(
+        grad, x, None, None, None, mean, ones, True, 0.0, [False, True, True]
     )
-    return torch.stack([sum_g, sum_g_xhat]).double()
+    return torch.stack((sum_dy, sum_dy_xmu)).double()
 
 
 class _ChannelNorm(torch.autograd.Function):
     """Group, batch or instance norm with statistics over the global grid, affine included.
 
-    Forward: fused local moments, one all-gather of the merged float64 statistics per group, then
-    y = x * a + b from the moments kernel's own output, in place (:func:`_rescaled`).  Backward:
-    the per-(sample, channel) sums of dy and dy * xhat (one fused pass), all-reduced in one
-    message, give dx = alpha * dy + beta * x + gamma and the weight and bias gradients in closed
-    form (already summed over the ranks that share the statistics).
+    Forward: fused local moments, one all-gather of the float64 statistics per group, merged,
+    then y = x * a + b from the moments kernel's own output, in place (:func:`_rescaled`).
+    Backward: the per-(sample, channel) sums of dy and dy * (x - mean) (one fused pass),
+    all-reduced in one message, give dx = a * dy + beta * x + gamma and the weight and bias
+    gradients in closed form (already summed over the ranks that share the statistics).
     """
 
     @staticmethod
@@ -169,21 +181,21 @@ class _ChannelNorm(torch.autograd.Function):
         groups: tuple[ProcessGroup, ...],
         eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        channels = x3.shape[1]
-        count, mean, m2, local = layout.local_moments(x3)
-        total, mean, m2 = merge_over(torch.tensor(float(count), dtype=torch.float64, device=x3.device), mean, m2, groups)
-        total = total.clamp(min=1)
-        var = m2 / total
-        rstd = torch.rsqrt(var + eps)
-        mean_c, rstd_c = layout.per_channel(mean, channels), layout.per_channel(rstd, channels)
-        scale = rstd_c if weight is None else rstd_c * weight  # float64: the parameters promote in the kernel
-        shift = -mean_c * scale if bias is None else bias - mean_c * scale
-        y = None if local is None else _rescaled(local, scale, shift)
-        y = _scale_shift(x3, scale, shift) if y is None else y
+        n, channels, _ = x3.shape
+        per_group = (layout.groups, channels // layout.groups)
+        count, mean, var, local = layout.local_moments(x3)
+        total, mean, var = merge_moments(count, mean, var, groups)
+        mean, var = mean.view(-1, layout.groups, 1), var.view(-1, layout.groups, 1)
+        rstd = (var + eps).rsqrt_()
+        scale = rstd if weight is None else rstd * weight.view(per_group)  # float64: the parameters promote
+        shift = (mean * scale).neg_() if bias is None else torch.addcmul(bias.view(per_group), mean, scale, value=-1)
+        y = None if local is None else _rescaled(local, scale, shift, layout)
+        y = _scale_shift(x3, scale, shift, layout) if y is None else y
         ctx.save_for_backward(x3, weight, bias)
-        ctx.stats = (mean, rstd, total, scale, mean_c, rstd_c)
+        ctx.stats = (mean, rstd, total, scale)
         ctx.layout, ctx.groups, ctx.eps = layout, groups, eps
         ctx.has_bias = bias is not None
+        mean, var = mean.view(-1, layout.groups), var.view(-1, layout.groups)
         ctx.mark_non_differentiable(mean, var)
         return y, mean, var  # the statistics in float64, for the running averages
 
@@ -193,30 +205,32 @@ class _ChannelNorm(torch.autograd.Function):
             return (*_differentiated(ctx, grad, _channel_norm_again), None, None, None)
         grad = grad.contiguous()
         x3, weight, _ = ctx.saved_tensors
-        mean, rstd, total, scale, mean_c, rstd_c = ctx.stats
+        mean, rstd, total, scale = ctx.stats
         layout = ctx.layout
         n, channels, length = x3.shape
+        per_group = (layout.groups, channels // layout.groups)
+        mean_c = layout.expanded(mean, n if layout.per_sample else 1, channels, x3.dtype)
         if layout.per_sample:  # statistics per (sample, channel): one row each
             rows = (1, n * channels, length)
-            sums = _row_sums(grad.reshape(rows), x3.reshape(rows), mean_c, rstd_c).view(2, n, channels)
+            sums = _row_sums(grad.view(rows), x3.reshape(rows), mean_c)
         else:  # batch statistics: the kernel sums the rank's part of the batch too
-            sums = _row_sums(grad, x3, mean_c, rstd_c).view(2, 1, channels)
+            sums = _row_sums(grad, x3, mean_c)
         for group in ctx.groups:
             sums = collectives.all_reduce(sums, "sum", group)
-        s1, s2 = sums  # per (sample or batch, channel): sum dy, sum dy * xhat over the global grid
+        sums = sums.view(2, -1, *per_group)  # over the global grid: sum dy, sum dy * (x - mean)
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            w = 1.0 if weight is None else weight  # promoted to float64 by the sums
-            sum_g = layout.per_stat(w * s1)  # sum of dL/dxhat
-            sum_g_xhat = layout.per_stat(w * s2)  # sum of dL/dxhat * xhat
-            beta = -rstd.square() * sum_g_xhat / total
-            gamma = rstd * (mean * rstd * sum_g_xhat - sum_g) / total
-            grad_x = _scale_shift(x3, layout.per_channel(beta, channels), layout.per_channel(gamma, channels))
-            grad_x.addcmul_(grad, scale.to(grad.dtype).unsqueeze(-1))
+            # g = dL/dxhat = w * dy; dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) = scale * dy + beta * x + gamma
+            sum_g, sum_g_xmu = (sums if weight is None else sums * weight.view(per_group)).sum(-1, keepdim=True)
+            rstd_over_n = rstd / total
+            beta = (rstd_over_n * sum_g_xmu).mul_(rstd.square()).neg_()
+            gamma = torch.addcmul(rstd_over_n * sum_g, beta, mean).neg_()
+            grad_x = _scale_shift(x3, beta, gamma, layout)
+            grad_x.addcmul_(grad, layout.expanded(scale, n, channels, grad.dtype).view(n, channels, 1))
         if weight is not None and ctx.needs_input_grad[1]:
-            grad_weight = s2.sum(0).to(weight.dtype)
+            grad_weight = (sums[1] * rstd).sum(0).view(-1).to(weight.dtype)  # sum of dy * xhat
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = s1.sum(0).to(grad.dtype)
+            grad_bias = sums[0].sum(0).view(-1).to(grad.dtype)
         return grad_x, grad_weight, grad_bias, None, None, None
 
 
@@ -249,9 +263,10 @@ def _channel_norm(
 class _NormalizeGlobally(torch.autograd.Function):
     """xhat = (x - mean) / sqrt(var + eps), with mean and var over the trailing ``dims`` of the global tensor.
 
-    The slab is viewed as rows (leading index) x the normalized values, so the normalization
-    rescales the moments kernel's own output (:func:`_rescaled`) and the closed-form backward is
-    fused per-row passes (:func:`_scale_shift`).  Low-precision
+    The slab is viewed as rows (leading index) x the normalized values, (1, rows, values): one
+    sample whose channels are the rows, so the channel norms' pieces apply with a statistic per
+    channel.  The normalization rescales the moments kernel's own output (:func:`_rescaled`) and
+    the closed-form backward is fused per-row passes (:func:`_scale_shift`).  Low-precision
     slabs are normalized in fp32 (the output's dtype); the slab itself is kept, uncast, for a
     double backward (a reference, as torch's layer norm keeps its input).
     """
@@ -263,23 +278,16 @@ class _NormalizeGlobally(torch.autograd.Function):
         x = slab.float() if slab.dtype in LOW_PRECISION else slab
         length = math.prod(x.shape[d] for d in dims)  # dims are the trailing ones
         leading = math.prod(x.shape[: x.ndim - len(dims)])  # each leading index is a row
-        local = None
-        if x.numel():
-            normalized, mean, row_rstd, m2 = normalized_rows(x.reshape(leading, length))
-            local = _LocalRows(normalized.view(1, leading, length), mean.view(1, -1), row_rstd.view(1, -1))
-        else:  # an empty slab: zero moments that weigh nothing in the merge
-            mean = torch.zeros(leading, dtype=torch.float64, device=x.device)
-            m2 = mean.clone()
-        count = torch.tensor(float(length), dtype=torch.float64, device=x.device)
-        count, mean, m2 = merge_over(count, mean, m2, groups)
-        count = count.clamp(min=1)
-        rstd = torch.rsqrt(m2 / count + eps).reshape(1, -1)
-        ctx.row_shape = (1, rstd.shape[1], length)
-        shift = -mean.reshape(1, -1) * rstd
-        xhat = None if local is None else _rescaled(local, rstd, shift)
-        xhat = (_scale_shift(x.reshape(ctx.row_shape), rstd, shift) if xhat is None else xhat).view(x.shape)
+        layout = _StatLayout(leading, per_sample=True)
+        rows = x.reshape(1, leading, length)
+        count, mean, var, local = layout.local_moments(rows)
+        count, mean, var = merge_moments(count, mean, var, groups)
+        rstd = (var + eps).rsqrt_().view(1, leading, 1)
+        shift = (mean.view(1, leading, 1) * rstd).neg_()
+        xhat = None if local is None else _rescaled(local, rstd, shift, layout)
+        xhat = (_scale_shift(rows, rstd, shift, layout) if xhat is None else xhat).view(x.shape)
         ctx.save_for_backward(xhat, rstd, count, slab)
-        ctx.groups, ctx.dims, ctx.eps = groups, dims, eps
+        ctx.groups, ctx.dims, ctx.eps, ctx.layout = groups, dims, eps, layout
         return xhat
 
     @staticmethod
@@ -290,14 +298,16 @@ class _NormalizeGlobally(torch.autograd.Function):
             return (*_differentiated(ctx, grad, _normalize_again), None, None, None)
         grad = grad.contiguous()
         xhat, rstd, count, slab = ctx.saved_tensors
-        rows, grad_rows = xhat.reshape(ctx.row_shape), grad.reshape(ctx.row_shape)
-        centered = torch.zeros(rows.shape[1], dtype=rows.dtype, device=rows.device)  # xhat is saved
-        sums = _row_sums(grad_rows, rows, centered, torch.ones_like(centered)).view(2, 1, -1)
+        layout = ctx.layout
+        rows = (1, layout.groups, xhat.numel() // layout.groups if layout.groups else 0)
+        xhat_rows, grad_rows = xhat.view(rows), grad.view(rows)
+        zeros, _, _ = _identity_stats(layout.groups, xhat)  # xhat is centered already
+        sums = _row_sums(grad_rows, xhat_rows, zeros)
         for group in ctx.groups:
             sums = collectives.all_reduce(sums, "sum", group)
-        mean_grad, mean_grad_xhat = sums / count
-        grad_x = _scale_shift(rows, -rstd * mean_grad_xhat, -rstd * mean_grad)
-        grad_x = grad_x.addcmul_(grad_rows, rstd.to(grad.dtype).unsqueeze(-1)).view(grad.shape)
+        mean_grad, mean_grad_xhat = (sums / count).view(2, 1, -1, 1)
+        grad_x = _scale_shift(xhat_rows, (rstd * mean_grad_xhat).neg_(), (rstd * mean_grad).neg_(), layout)
+        grad_x = grad_x.addcmul_(grad_rows, rstd.to(grad.dtype)).view(grad.shape)
         return grad_x.to(slab.dtype), None, None, None
 
 
@@ -319,15 +329,16 @@ def _channel_norm_again(ctx) -> tuple[torch.Tensor, tuple]:
     """Group, batch or instance norm of the saved slab (see :class:`_ChannelNorm`), differentiably."""
     x3, weight, bias = ctx.saved_tensors
     layout, groups, total = ctx.layout, ctx.groups, ctx.stats[2]
-    n, c, _ = x3.shape
+    n, c, length = x3.shape
+    per_group = (layout.groups, c // layout.groups)
     xd = x3.double()
     sums = torch.stack([xd.sum(2), xd.square().sum(2)])  # per (sample, channel)
     if not layout.per_sample:
         sums = sums.sum(1, keepdim=True)
-    s1, s2 = sum_shares(layout.per_stat(sums.flatten(0, 1)).view(2, -1, layout.groups), groups)
+    s1, s2 = sum_shares(sums.view(2, -1, *per_group).sum(-1, keepdim=True), groups)  # (N or 1, groups, 1) each
     mean = s1 / total
     rstd = torch.rsqrt(s2 / total - mean.square() + ctx.eps)
-    y = (xd - layout.per_channel(mean, c).unsqueeze(-1)) * layout.per_channel(rstd, c).unsqueeze(-1)
+    y = ((xd.view(n, *per_group, length) - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)).view(n, c, length)
     if weight is not None:  # the statistics' ranks each hold a share of the affine gradients
         y = y * SumGradOverGroups.apply(weight, groups).double().unsqueeze(-1)
     if bias is not None:
@@ -364,7 +375,9 @@ def _groups_over(x: ShardTensor, dims: Sequence[int]) -> tuple[ProcessGroup, ...
 
 
 def _finish(y: torch.Tensor, x: ShardTensor) -> ShardTensor:
-    """Normalization keeps the input's shape, placements and split."""
+    """Normalization keeps the input's shape, placements and split: a contiguous input's very spec."""
+    if x._spec.is_contiguous():
+        return wrap_local_as(y, x._spec)
     return wrap_local(y, like=x, shape=x.shape, axis_sizes=x._spec.axis_sizes)
 
 

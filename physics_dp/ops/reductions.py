@@ -196,9 +196,9 @@ def _variance_family(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> An
     _refuse_complex(op, plan)
     if not plan.local.is_floating_point():
         raise RuntimeError(f"std and var only support floating point and complex dtypes, got {plan.local.dtype}")
-    count, mean, m2 = global_moments(plan.local, plan.dims, plan.groups)
+    count, mean, biased = global_moments(plan.local, plan.dims, plan.groups)
     correction = 1 if a["correction"] is None else a["correction"]
-    var = m2 / (count - correction).clamp(min=0)
+    var = biased * count / (count - correction).clamp(min=0)
     dtype = plan.local.dtype
     spread = var.sqrt() if op.overloadpacket in (aten.std, aten.std_mean) else var
     if op.overloadpacket in (aten.var_mean, aten.std_mean):

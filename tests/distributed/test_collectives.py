@@ -1,4 +1,4 @@
-"""collectives.barrier: every rank leaves after the last one arrives, over shared memory or gloo."""
+"""collectives.barrier and all_gather_rows, over shared memory (the host channel) or gloo."""
 
 from __future__ import annotations
 
@@ -45,3 +45,32 @@ def test_barrier_releases_no_rank_before_the_last_arrives(world, channel_enabled
 
 def test_barrier_of_one_rank_returns_at_once():
     assert run_on_ranks(1, _arrive_late_then_leave, True)[0][2] is False
+
+
+def _gather_rows_three_times(channel_enabled: bool) -> tuple[list, list, list]:
+    import torch
+    import torch.distributed as dist
+
+    from physics_dp.distributed import collectives, host_channel
+
+    os.environ[host_channel.ENABLE_ENV_VAR] = "1" if channel_enabled else "0"
+    try:
+        group = dist.new_group(list(range(dist.get_world_size())))
+        mine = torch.arange(3, dtype=torch.float64) + 10 * dist.get_rank()
+        with collectives.count_communication() as log:
+            first = collectives.all_gather_rows(mine, group)
+            for scale in (2, 3):  # enough later calls to reuse every buffer the first one went through
+                later = collectives.all_gather_rows(mine * scale, group)
+        return first.tolist(), later.tolist(), [(r.kind, r.bytes_sent) for r in log.records]
+    finally:
+        del os.environ[host_channel.ENABLE_ENV_VAR]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("channel_enabled", [True, False])
+def test_all_gather_rows_stacks_every_rank_in_order_and_owns_its_result(world, channel_enabled):
+    rows = [[10.0 * rank + i for i in range(3)] for rank in range(world)]
+    for first, later, records in run_on_ranks(world, _gather_rows_three_times, channel_enabled):
+        assert first == rows
+        assert later == [[3 * value for value in row] for row in rows]
+        assert records == [("all_gather", 3 * 8 * (world - 1))] * 3

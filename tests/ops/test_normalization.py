@@ -227,15 +227,17 @@ def _group_norm_traffic(layout: str) -> list[dict[str, list[tuple[str, int]]]]:
 def test_group_norm_communication_does_not_grow_with_the_grid(layout: str) -> None:
     small, large = run_on_ranks(world_of(layout), _group_norm_traffic, layout)[0]
     assert small == large
-    # forward: one all-gather of (count, mean, M2) over the ranks splitting H (and W); backward:
+    # forward: one all-gather of (count, mean, variance) over the ranks splitting H (and W); backward:
     # one all-reduce of the per-(sample, channel) sums of dy and dy * x, from which the weight and
     # bias gradients follow already summed over those ranks (whole-mesh axes reduce in one
     # collective over the job).  A split batch still sums the weight and bias grads over it (one
     # bucket at the end of backward).
-    assert [kind for kind, _ in small["forward"]] == ["all_to_all"]
     batch_split = layout == "2x2-data-domain"
-    assert [kind for kind, _ in small["backward"]] == ["all_reduce"] * (2 if batch_split else 1)
     samples_here = 1 if batch_split else 2
+    stat_ranks = 2 if layout in ("2", "2x2-data-domain") else 4
+    # float64 count, then a mean and a variance per (sample, group): 2 samples x 2 groups
+    assert small["forward"] == [("all_gather", (1 + 2 * samples_here * 2) * 8 * (stat_ranks - 1))]
+    assert [kind for kind, _ in small["backward"]] == ["all_reduce"] * (2 if batch_split else 1)
     assert (2 * samples_here * 4 * 8) in [size for _, size in small["backward"]]  # float64 sums of dy, dy * x
 
 
@@ -284,6 +286,39 @@ def _batch_only() -> list[str]:
 
 def test_batch_only_sharding() -> None:
     run_on_ranks(3, _batch_only)
+
+
+class _OnChannelSlice(nn.Module):
+    """``norm`` of channels 2: of its input: a strided slab (N > 1), whose (N, C, L) view is not contiguous."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x[:, 2:])
+
+
+def _channel_slices() -> list[str]:
+    shape = (3, 6, 13, 7)
+    combos = {}
+    for name, norm in (
+        ("GroupNorm(2, 4)", nn.GroupNorm(2, 4)),
+        ("BatchNorm2d(4)", nn.BatchNorm2d(4)),
+        ("InstanceNorm2d(4, affine)", nn.InstanceNorm2d(4, affine=True)),
+        ("LayerNorm([4, 13, 7])", nn.LayerNorm([4, 13, 7])),
+    ):
+
+        def check(norm=norm) -> None:
+            mesh, placements, _ = sharding("2", "uneven", shape)
+            _check_module(_OnChannelSlice(norm), randn(shape), mesh, placements, None)
+
+        combos[f"{name} of a channel slice"] = check
+    return run_combos(combos)
+
+
+def test_normalization_of_a_strided_slab() -> None:
+    run_on_ranks(2, _channel_slices)
 
 
 # ----- numerics, precision, errors ------------------------------------------------------------------
