@@ -150,13 +150,14 @@ def _row_sums(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor) -> torch.
 
     torch's batch-norm backward reduces both in one pass over ``grad`` and ``x`` (two separate
     reductions read the gradient twice); given 1 / std = 1 it leaves the scaling to the caller.
+    The weight (ones) must be given: CUDA's reduction reads its device.
     """
     channels = x.shape[1]
     if x.numel() == 0:  # an empty shard (the kernel divides by its extents)
         return torch.zeros(2, channels, dtype=torch.float64, device=x.device)
     _, ones, _ = _identity_stats(channels, x)
     _, sum_dy_xmu, sum_dy = torch.ops.aten.native_batch_norm_backward(
-        grad, x, None, None, None, mean, ones, True, 0.0, [False, True, True]
+        grad, x, ones, None, None, mean, ones, True, 0.0, [False, True, True]
     )
     return torch.stack((sum_dy, sum_dy_xmu)).double()
 
