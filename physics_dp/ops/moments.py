@@ -21,21 +21,29 @@ import torch
 from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
+from ..distributed.tracing import is_tracing
 
 __all__ = ["exact_local_moments", "merge_moments", "global_moments", "row_moments", "LOW_PRECISION"]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def row_moments(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The fused group-norm kernel on a (P, Q) tensor with Q > 0: (the rows normalized by their own
-    statistics, (P, Q); their means and 1 / std, (P,), in the rows' dtype).
+def row_moments(rows: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Statistics of the rows of a (P, Q) tensor with Q > 0: (the rows normalized by their own
+    statistics, (P, Q), or None; their means and 1 / std, (P,)), from one fused kernel.
 
-    eps = 0 makes rstd = var^-1/2 exactly as computed: inf for a constant row (whose normalized
-    values are then not finite), so var = rstd^-2 is 0 there.
+    On the CPU the group-norm kernel also writes the normalized rows, which normalization
+    rescales in place.  Eager CUDA takes synchronized batch norm's statistics kernel instead:
+    there nothing rescales in place, and it reads the rows once and writes no slab-sized
+    temporary.  eps = 0 makes rstd = var^-1/2 exactly as computed: inf for a constant row (whose
+    normalized values are then not finite), so var = rstd^-2 is 0 there.
     """
-    p, q = rows.shape  # the kernel takes contiguous rows only (a strided view's rows are copied)
-    normalized, mean, rstd = torch.ops.aten.native_group_norm(rows.reshape(1, p, q).contiguous(), None, None, 1, p, q, p, 0.0)
+    p, q = rows.shape  # the kernels take contiguous rows only (a strided view's rows are copied)
+    rows = rows.reshape(1, p, q).contiguous()
+    if rows.is_cuda and not is_tracing():
+        mean, rstd = torch.batch_norm_stats(rows, 0.0)
+        return None, mean, rstd
+    normalized, mean, rstd = torch.ops.aten.native_group_norm(rows, None, None, 1, p, q, p, 0.0)
     return normalized.view(p, q), mean.view(p), rstd.view(p)
 
 

@@ -59,17 +59,18 @@ class _StatLayout:
 
     def local_moments(self, x3: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor, _LocalRows | None]:
         """(values per statistic, mean, biased variance) of the slab, shaped (N or 1, groups), and
-        the slab normalized by the statistics of its own rows (None for an empty slab)."""
+        the slab normalized by the statistics of its own rows (None for an empty slab, and where
+        :func:`.moments.row_moments` writes no normalized rows)."""
         n, c, length = x3.shape
         rows = n if self.per_sample else 1
         if x3.numel() == 0:  # count, and zero moments that weigh nothing in the merge
             zeros = torch.zeros(rows, self.groups, dtype=torch.float64, device=x3.device)
             return (c // max(self.groups, 1) * length if self.per_sample else n * length), zeros, zeros, None
         normalized, mean, rstd = row_moments(x3.reshape(n * self.groups, -1) if self.per_sample else x3.reshape(n * c, length))
-        local = _LocalRows(normalized.view(n, c, length), mean.view(n, -1, 1), rstd.view(n, -1, 1))
+        local = None if normalized is None else _LocalRows(normalized.view(n, c, length), mean.view(n, -1, 1), rstd.view(n, -1, 1))
         var = rstd.double().pow(-2).view(n, -1)
         if self.per_sample:  # a row is a (sample, group)
-            return normalized.shape[1], mean.view(n, -1), var, local
+            return c // self.groups * length, mean.view(n, -1), var, local
         if n == 1:  # a row is a channel
             return length, mean.view(1, c), var, local
         mean_nc = mean.view(n, c).double()  # a row is a (sample, channel): the mean of the samples' moments
