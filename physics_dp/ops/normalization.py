@@ -62,20 +62,18 @@ class _StatLayout:
         the slab normalized by the statistics of its own rows (None for an empty slab, and where
         :func:`.moments.row_moments` writes no normalized rows)."""
         n, c, length = x3.shape
-        rows = n if self.per_sample else 1
-        if x3.numel() == 0:  # count, and zero moments that weigh nothing in the merge
-            zeros = torch.zeros(rows, self.groups, dtype=torch.float64, device=x3.device)
-            return (c // max(self.groups, 1) * length if self.per_sample else n * length), zeros, zeros, None
+        count = c // max(self.groups, 1) * length if self.per_sample else n * length
+        if x3.numel() == 0:  # zero moments that weigh nothing in the merge
+            zeros = torch.zeros(n if self.per_sample else 1, self.groups, dtype=torch.float64, device=x3.device)
+            return count, zeros, zeros, None
         normalized, mean, rstd = row_moments(x3.reshape(n * self.groups, -1) if self.per_sample else x3.reshape(n * c, length))
         local = None if normalized is None else _LocalRows(normalized.view(n, c, length), mean.view(n, -1, 1), rstd.view(n, -1, 1))
         var = rstd.double().pow(-2).view(n, -1)
-        if self.per_sample:  # a row is a (sample, group)
-            return c // self.groups * length, mean.view(n, -1), var, local
-        if n == 1:  # a row is a channel
-            return length, mean.view(1, c), var, local
+        if self.per_sample or n == 1:  # a row is a (sample, group), or a channel of the one sample
+            return count, mean.view(n, -1), var, local
         mean_nc = mean.view(n, c).double()  # a row is a (sample, channel): the mean of the samples' moments
         merged = mean_nc.mean(0, keepdim=True)
-        return n * length, merged, (mean_nc - merged).square_().add_(var).mean(0, keepdim=True), local
+        return count, merged, (mean_nc - merged).square_().add_(var).mean(0, keepdim=True), local
 
     def expanded(self, per_stat: torch.Tensor, n: int, channels: int, dtype: torch.dtype) -> torch.Tensor:
         """A (N or 1, groups, 1 or channels per group) coefficient as the (N * C,) vector of ``dtype`` a kernel takes."""
