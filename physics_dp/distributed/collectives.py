@@ -180,6 +180,11 @@ def all_gather_rows(flat: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     if is_tracing():
         return funcol.all_gather_tensor(flat.contiguous(), 0, group).view(world, -1)
     _record("all_gather", _nbytes(flat) * (world - 1))
+    return _stacked_rows(flat, group, world)
+
+
+def _stacked_rows(flat: torch.Tensor, group: ProcessGroup, world: int) -> torch.Tensor:
+    """The exchange behind :func:`all_gather_rows` and :func:`gather_sizes` (eager, ``world`` > 1)."""
     channel = channel_for(group, flat, _nbytes(flat))
     if channel is not None:
         return channel.gather_rows(flat)
@@ -269,12 +274,7 @@ def gather_sizes(values: Sequence[int], group: ProcessGroup) -> list[list[int]]:
             "the compiled function"
         )
     _record("all_gather_sizes", _nbytes(mine) * (world - 1))
-    channel = channel_for(group, mine, _nbytes(mine))
-    if channel is not None:
-        return channel.all_gather(mine, [len(values)] * world).view(world, len(values)).tolist()
-    out = torch.empty(world * len(values), dtype=torch.int64)
-    dist.all_gather_single(out, mine, group=group)
-    return out.view(world, len(values)).tolist()
+    return _stacked_rows(mine, group, world).tolist()
 
 
 def broadcast(tensor: torch.Tensor, src_group_rank: int, group: ProcessGroup) -> torch.Tensor:

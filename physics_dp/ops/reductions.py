@@ -152,7 +152,7 @@ def _gather(value: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     parts = torch.distributed.get_world_size(group)
     if value.numel() == 0:
         return value.new_empty((parts, *value.shape))
-    return collectives.all_gather_along_dim(value.unsqueeze(0), [1] * parts, 0, group)
+    return collectives.all_gather_rows(value.reshape(-1), group).view(parts, *value.shape)
 
 
 # ----- sum, mean --------------------------------------------------------------------------------
