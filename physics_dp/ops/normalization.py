@@ -197,10 +197,11 @@ class _ChannelNorm(torch.autograd.Function):
         ctx.has_bias = bias is not None
         mean, var = mean.view(-1, layout.groups), var.view(-1, layout.groups)
         ctx.mark_non_differentiable(mean, var)
+        ctx.set_materialize_grads(False)  # the statistics get no gradient: no zeros made for them
         return y, mean, var  # the statistics in float64, for the running averages
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor, _mean_grad: torch.Tensor, _var_grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor, _mean_grad: None, _var_grad: None):  # type: ignore[override]
         if creating_graph():
             return (*_differentiated(ctx, grad, _channel_norm_again), None, None, None)
         grad = grad.contiguous()
