@@ -19,9 +19,10 @@ and two regions of double-buffered slots.
 - All-reduces larger than a slot reduce one slot's worth per call.
 - All-to-alls of any size run as a sequence of such calls: in each round a rank writes into its
   slot one block for every peer (a run of whole rows of its piece for that peer, in the same order
-  on both sides, because sender and receiver hold pieces of the same shape) and a flag saying
-  whether it has more; the receiver copies its blocks straight into their place in its output.
-  So a piece is copied twice (into the slot, out of it) and never packed or concatenated.
+  on both sides, because sender and receiver hold pieces of the same shape) and, in a counter of
+  the bank's own, whether it has more; the receiver copies its blocks straight into their place in
+  its output. So a piece is copied twice (into the slot, out of it) and never packed or
+  concatenated, and a round costs two tensor ops per peer (a view and a copy) besides the copies.
 - Messages: each ordered pair (sender, receiver) has its own FIFO of two slots, a ``sent`` counter
   written by the sender and a ``consumed`` counter written by the receiver; the sender reuses a
   slot once the receiver has copied out the message that was in it.
@@ -42,6 +43,7 @@ import platform
 import secrets
 import time
 import weakref
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -68,7 +70,6 @@ _BANKS = 2
 _COUNTER_STRIDE = 8  # int64 entries between two counters: one cache line each
 _MAX_RANKS = 8  # larger groups (several hosts, or unusual) keep gloo
 _SHM_DIR = "/dev/shm"
-_FLAG_BYTES = 64  # an all-to-all round's "more rounds follow" flag, ahead of the per-peer regions
 _YIELD_FOR_S = 0.005  # then sleep: a peer this late is computing, not about to arrive
 _SLEEP_S = 0.0002
 _LIVENESS_EVERY_S = 0.5
@@ -86,7 +87,8 @@ class HostChannel:
         collective_bytes = _BANKS * world * SLOT_BYTES
         self._banks = memory[:collective_bytes].view(_BANKS, world, SLOT_BYTES)
         self._typed_banks: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # (bank, dtype) -> (world, slot) view
-        self._mailboxes = memory[collective_bytes:].view(world, world, _BANKS, MESSAGE_SLOT_BYTES)
+        self._mailboxes = memory[collective_bytes:].view(world * world * _BANKS, MESSAGE_SLOT_BYTES)  # [sender][receiver][bank]
+        self._typed_mailboxes: dict[torch.dtype, torch.Tensor] = {}  # dtype -> the mailboxes as rows of that dtype
         self._peers = [p for p in range(world) if p != rank]
         self._pids = peer_pids
         self._timeout_s = timeout_s
@@ -95,7 +97,8 @@ class HostChannel:
         self._sent = [0] * world  # messages sent to each peer
         self._posted = [0] * world  # receives posted from each peer
 
-    # counters: one per rank for collectives, then sent[sender][receiver], then consumed[receiver][sender]
+    # counters: one per rank for collectives, then sent[sender][receiver], then consumed[receiver][sender],
+    # then more[bank][rank] (an all-to-all round's "more rounds follow", double-buffered like the slots)
     def _collective_counter(self, rank: int) -> int:
         return rank * _COUNTER_STRIDE
 
@@ -104,6 +107,9 @@ class HostChannel:
 
     def _consumed_counter(self, receiver: int, sender: int) -> int:
         return (self.world + self.world**2 + receiver * self.world + sender) * _COUNTER_STRIDE
+
+    def _more_counter(self, bank: int, rank: int) -> int:
+        return (self.world + 2 * self.world**2 + bank * self.world + rank) * _COUNTER_STRIDE
 
     # ----- collectives ----------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
@@ -136,7 +142,7 @@ class HostChannel:
         self._calls += 1
         bank = self._typed_bank(self._calls % 2, flat.dtype)
         if flat.numel():
-            bank[self.rank, : flat.numel()].copy_(flat)
+            _block_view(bank, self.rank, 0, flat.shape).copy_(flat)
         self._counters[self._collective_counter(self.rank)] = self._calls
         for peer in self._peers:
             self._wait_until(self._collective_counter(peer), self._calls, peer)
@@ -157,35 +163,35 @@ class HostChannel:
         so both ends cut a piece into the same blocks.  Collective: every rank calls it.
         """
         outs[self.rank].copy_(sends[self.rank])
-        region = (SLOT_BYTES - _FLAG_BYTES) // (self.world - 1) // 64 * 64
+        region = SLOT_BYTES // (self.world - 1) // 64 * 64
         limit = region // outs[self.rank].element_size()
         to_send = {p: _blocks(sends[p], limit) for p in self._peers}
         to_receive = {p: _blocks(outs[p], limit) for p in self._peers}
         rounds = 0
         while True:
             self._calls += 1
-            slots = self._banks[self._calls % 2]
-            mine = slots[self.rank]
+            bank = self._calls % 2
+            slots = self._typed_bank(bank, outs[self.rank].dtype)
             for p in self._peers:
                 if rounds < len(to_send[p]):
-                    _block_view(mine, self._region_of(p, self.rank, region), to_send[p][rounds]).copy_(to_send[p][rounds])
+                    block = to_send[p][rounds]
+                    _block_view(slots, self.rank, self._region_of(p, self.rank, limit), block.shape).copy_(block)
             more = any(rounds + 1 < len(blocks) for blocks in to_send.values())
-            mine[:8].view(torch.int64)[0] = int(more)
+            self._counters[self._more_counter(bank, self.rank)] = int(more)  # stored before the call's counter
             self._counters[self._collective_counter(self.rank)] = self._calls
             for peer in self._peers:
                 self._wait_until(self._collective_counter(peer), self._calls, peer)
             for p in self._peers:
                 if rounds < len(to_receive[p]):
                     block = to_receive[p][rounds]
-                    block.copy_(_block_view(slots[p], self._region_of(self.rank, p, region), block))
+                    block.copy_(_block_view(slots, p, self._region_of(self.rank, p, limit), block.shape))
             rounds += 1
-            if not any(slots[p, :8].view(torch.int64)[0].item() for p in range(self.world)):
+            if not any(self._counters[self._more_counter(bank, p)] for p in range(self.world)):
                 return
 
     def _region_of(self, receiver: int, sender: int, region: int) -> int:
-        """Byte offset, in ``sender``'s slot, of the blocks addressed to ``receiver``."""
-        index = receiver if receiver < sender else receiver - 1
-        return _FLAG_BYTES + index * region
+        """Offset, in elements of ``sender``'s slot, of the blocks addressed to ``receiver`` (``region`` elements each)."""
+        return (receiver if receiver < sender else receiver - 1) * region
 
     # ----- point-to-point messages ----------------------------------------------------------------
     def send(self, peer: int, tensor: torch.Tensor) -> None:
@@ -196,8 +202,8 @@ class HostChannel:
         self._sent[peer] += 1
         number = self._sent[peer]
         self._wait_until(self._consumed_counter(peer, self.rank), number - _BANKS, peer)
-        slot = self._mailboxes[self.rank, peer, number % _BANKS]
-        slot[: tensor.numel() * tensor.element_size()].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        mailboxes, row = self._mailbox(self.rank, peer, number, tensor.dtype)
+        _block_view(mailboxes, row, 0, tensor.shape).copy_(tensor)
         self._counters[self._sent_counter(self.rank, peer)] = number
 
     def post_receive(self, peer: int) -> int:
@@ -208,11 +214,17 @@ class HostChannel:
     def receive(self, peer: int, number: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Message ``number`` from ``peer``, copied out of its slot (which the sender may then reuse)."""
         self._wait_until(self._sent_counter(peer, self.rank), number, peer)
-        out = torch.empty(shape, dtype=dtype)
-        slot = self._mailboxes[peer, self.rank, number % _BANKS]
-        out.copy_(slot[: out.numel() * out.element_size()].view(dtype).view(shape))
+        mailboxes, row = self._mailbox(peer, self.rank, number, dtype)
+        out = _block_view(mailboxes, row, 0, shape).clone()
         self._counters[self._consumed_counter(self.rank, peer)] = number
         return out
+
+    def _mailbox(self, sender: int, receiver: int, number: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+        """The mailboxes as rows of ``dtype`` (made once per dtype), and the row of message ``number`` from ``sender`` to ``receiver``."""
+        typed = self._typed_mailboxes.get(dtype)
+        if typed is None:
+            typed = self._typed_mailboxes[dtype] = self._mailboxes.view(dtype)
+        return typed, (sender * self.world + receiver) * _BANKS + number % _BANKS
 
     # ----- waiting --------------------------------------------------------------------------------
     def _wait_until(self, index: int, value: int, peer: int) -> None:
@@ -252,7 +264,7 @@ class HostChannel:
     def close(self) -> None:
         """Unmap now if nothing else holds the slots; otherwise the mapping goes with its last tensor."""
         self._counters.release()
-        del self._banks, self._mailboxes, self._typed_banks
+        del self._banks, self._mailboxes, self._typed_banks, self._typed_mailboxes
         try:
             self._mapping.close()
         except BufferError:
@@ -280,10 +292,14 @@ def _blocks(piece: torch.Tensor, limit: int) -> list[torch.Tensor]:
     return [block for index in range(len(piece)) for block in _blocks(piece[index], limit)]
 
 
-def _block_view(slot: torch.Tensor, offset: int, block: torch.Tensor) -> torch.Tensor:
-    """The bytes at ``offset`` of ``slot`` seen as a contiguous tensor shaped like ``block``."""
-    nbytes = block.numel() * block.element_size()
-    return slot[offset : offset + nbytes].view(block.dtype).view(block.shape)
+def _block_view(slots: torch.Tensor, row: int, offset: int, shape: Sequence[int]) -> torch.Tensor:
+    """The elements from ``offset`` of row ``row`` of the typed slots ``slots`` (one row per slot), as a
+    contiguous tensor of ``shape``: one ``as_strided``, where slicing and reshaping take three ops."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return slots.as_strided(shape, strides[::-1], slots.storage_offset() + row * slots.stride(0) + offset)
 
 
 # ----- opening a channel: one handshake over gloo per group -------------------------------------
@@ -358,7 +374,7 @@ def _open(group: ProcessGroup) -> HostChannel | None:
 
 
 def _header_bytes(world: int) -> int:
-    counters = world + 2 * world**2
+    counters = world + 2 * world**2 + _BANKS * world
     return -(-counters * _COUNTER_STRIDE * 8 // 4096) * 4096
 
 

@@ -93,6 +93,64 @@ def test_all_to_all_of_many_slots_runs_in_rounds_and_matches(world, dtype):
         assert result["bytes"][0] == result["bytes"][1]
 
 
+def _ops_of_an_all_to_all_and_a_message() -> dict:
+    """The aten ops the channel itself runs: an all-to-all of several rounds, and one message each way."""
+    from collections import Counter
+
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from physics_dp.distributed import collectives, host_channel
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: Counter = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func.overloadpacket)] += 1
+            return func(*args, **(kwargs or {}))
+
+    group = dist.group.WORLD
+    rank, peer = dist.get_rank(), 1 - dist.get_rank()
+    collectives.all_reduce(torch.ones(1), "sum", group)  # opens the channel
+    channel = host_channel._channels[group]
+    rows = host_channel.SLOT_BYTES // 4 // 64  # 64-float rows: a peer's piece takes about 2.5 slots
+    sends = [torch.full((rows * 5 // 2, 64), float(rank)) for _ in range(2)]
+    outs = [torch.empty_like(piece) for piece in sends]
+    channel.all_to_all(sends, outs)  # the banks' typed views are made once, on first use
+    before = channel._calls
+    with CountOps() as all_to_all:
+        channel.all_to_all(sends, outs)
+    rounds = channel._calls - before
+    message = torch.arange(6.0).view(2, 3) + rank
+    channel.send(peer, message)  # likewise the mailboxes' typed view
+    channel.receive(peer, channel.post_receive(peer), (2, 3), torch.float32)
+    with CountOps() as messages:
+        number = channel.post_receive(peer)
+        channel.send(peer, message)
+        received = channel.receive(peer, number, (2, 3), torch.float32)
+    return {
+        "rounds": rounds, "all_to_all": dict(all_to_all.ops), "messages": dict(messages.ops),
+        "moved": torch.equal(outs[peer], torch.full_like(outs[peer], float(peer))),
+        "received": torch.equal(received, torch.arange(6.0).view(2, 3) + peer),
+    }
+
+
+def test_the_channel_runs_two_tensor_ops_per_peer_and_round():
+    """A round writes a block into the slot and reads one out: a view and a copy each, with the
+    "more rounds follow" flags in the counters (no tensor op); a message is likewise a view and a
+    copy at each end."""
+    for result in run_on_ranks(2, _ops_of_an_all_to_all_and_a_message):
+        assert result["moved"] and result["received"]
+        rounds, ops = result["rounds"], result["all_to_all"]
+        assert rounds == 3
+        assert ops.pop("aten.copy_") == 1 + 2 * rounds  # the kept piece, then one block in and one out per round
+        assert ops.pop("aten.as_strided") == 2 * rounds
+        assert set(ops) <= {"aten.slice", "aten.select"}, ops  # the blocks' views of the pieces, made once per call
+        assert result["messages"] == {"aten.as_strided": 2, "aten.copy_": 1, "aten.clone": 1}
+
+
 def _large_all_reduce_in_rounds() -> dict:
     import torch.distributed as dist
 
