@@ -331,7 +331,7 @@ def start_exchange(
     if is_tracing():
         return _traced_exchange(sends, recv_shapes, group, dtype=dtype, device=device, anchor=anchor)
     lookup_group = group if group is not None else dist.group.WORLD
-    itemsize = torch.empty(0, dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     ops = []
     received: dict[int, torch.Tensor] = {}
     channel, channel_receives = None, []
