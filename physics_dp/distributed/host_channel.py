@@ -37,6 +37,7 @@ torch.compile (functional collectives) and ``PHYSICS_DP_HOST_CHANNEL=0`` use glo
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import platform
@@ -295,6 +296,8 @@ def _blocks(piece: torch.Tensor, limit: int) -> list[torch.Tensor]:
 def _block_view(slots: torch.Tensor, row: int, offset: int, shape: Sequence[int]) -> torch.Tensor:
     """The elements from ``offset`` of row ``row`` of the typed slots ``slots`` (one row per slot), as a
     contiguous tensor of ``shape``: one ``as_strided``, where slicing and reshaping take three ops."""
+    if offset + math.prod(shape) > slots.shape[1]:  # as_strided would write into the next slot unchecked
+        raise RuntimeError(f"a block of shape {tuple(shape)} at element {offset} overruns a slot of {slots.shape[1]} elements")
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)

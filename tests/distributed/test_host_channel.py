@@ -151,6 +151,18 @@ def test_the_channel_runs_two_tensor_ops_per_peer_and_round():
         assert result["messages"] == {"aten.as_strided": 2, "aten.copy_": 1, "aten.clone": 1}
 
 
+def test_a_block_view_stays_inside_its_slot():
+    """The slot views are ``as_strided`` (unchecked against the slot's end): a block that would
+    spill into the next slot raises instead."""
+    from physics_dp.distributed import host_channel
+
+    slots = torch.zeros(2, 16)
+    host_channel._block_view(slots, 1, 8, (2, 4)).fill_(1.0)  # the last 8 elements of slot 1
+    assert slots[1, 8:].eq(1).all() and slots[1, :8].eq(0).all() and slots[0].eq(0).all()
+    with pytest.raises(RuntimeError, match="overruns a slot of 16 elements"):
+        host_channel._block_view(slots, 0, 8, (3, 4))
+
+
 def _large_all_reduce_in_rounds() -> dict:
     import torch.distributed as dist
 
