@@ -43,7 +43,7 @@ def row_moments(rows: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, 
     if rows.is_cuda and not is_tracing():
         mean, rstd = torch.batch_norm_stats(rows, 0.0)
         return None, mean, rstd
-    normalized, mean, rstd = torch.ops.aten.native_group_norm(rows, None, None, 1, p, q, p, 0.0)
+    normalized, mean, rstd = torch.native_group_norm(rows, None, None, 1, p, q, p, 0.0)
     return normalized.view(p, q), mean.view(p), rstd.view(p)
 
 
