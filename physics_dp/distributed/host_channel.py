@@ -77,18 +77,25 @@ _LIVENESS_EVERY_S = 0.5
 
 
 class HostChannel:
-    """One process group's shared segment, mapped by every rank of the group."""
+    """One process group's shared segment, mapped by every rank of the group.
+
+    Its tensors (the slots and their typed views) live as long as the channel and are written in
+    place by every later collective, so they are made outside inference mode even when the first
+    collective runs inside it: an inference tensor refuses in-place writes outside that mode, so a
+    job that evaluated under ``torch.inference_mode()`` first could not train afterwards.
+    """
 
     def __init__(self, mapping: mmap.mmap, rank: int, world: int, peer_pids: list[int], timeout_s: float) -> None:
         self._mapping = mapping
         self.rank, self.world = rank, world
         header = _header_bytes(world)
         self._counters = memoryview(mapping)[:header].cast("q")
-        memory = torch.frombuffer(mapping, dtype=torch.uint8, offset=header, count=_segment_bytes(world) - header)
         collective_bytes = _BANKS * world * SLOT_BYTES
-        self._banks = memory[:collective_bytes].view(_BANKS, world, SLOT_BYTES)
+        with torch.inference_mode(False):
+            memory = torch.frombuffer(mapping, dtype=torch.uint8, offset=header, count=_segment_bytes(world) - header)
+            self._banks = memory[:collective_bytes].view(_BANKS, world, SLOT_BYTES)
+            self._mailboxes = memory[collective_bytes:].view(world * world * _BANKS, MESSAGE_SLOT_BYTES)  # [sender][receiver][bank]
         self._typed_banks: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # (bank, dtype) -> (world, slot) view
-        self._mailboxes = memory[collective_bytes:].view(world * world * _BANKS, MESSAGE_SLOT_BYTES)  # [sender][receiver][bank]
         self._typed_mailboxes: dict[torch.dtype, torch.Tensor] = {}  # dtype -> the mailboxes as rows of that dtype
         self._peers = [p for p in range(world) if p != rank]
         self._pids = peer_pids
@@ -154,7 +161,8 @@ class HostChannel:
         key = (bank, dtype)
         typed = self._typed_banks.get(key)
         if typed is None:
-            typed = self._typed_banks[key] = self._banks[bank].view(dtype)
+            with torch.inference_mode(False):
+                typed = self._typed_banks[key] = self._banks[bank].view(dtype)
         return typed
 
     def all_to_all(self, sends: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
@@ -224,7 +232,8 @@ class HostChannel:
         """The mailboxes as rows of ``dtype`` (made once per dtype), and the row of message ``number`` from ``sender`` to ``receiver``."""
         typed = self._typed_mailboxes.get(dtype)
         if typed is None:
-            typed = self._typed_mailboxes[dtype] = self._mailboxes.view(dtype)
+            with torch.inference_mode(False):
+                typed = self._typed_mailboxes[dtype] = self._mailboxes.view(dtype)
         return typed, (sender * self.world + receiver) * _BANKS + number % _BANKS
 
     # ----- waiting --------------------------------------------------------------------------------

@@ -31,12 +31,15 @@ def is_tracing() -> bool:
 
 @contextlib.contextmanager
 def outside_trace() -> Iterator[None]:
-    """Run plain planning code (index tables from integer sizes) eagerly, even inside a trace.
+    """Run plain planning code (index tables from integer sizes) eagerly, even inside a trace,
+    and outside inference mode.
 
     Plans are cached across calls; built under a fake mode they would hold fake tensors, and
-    cached real tensors cannot meet fake ones.  So plans are always built on real tensors.
+    cached real tensors cannot meet fake ones.  Built under ``torch.inference_mode()`` (a first
+    evaluation) they would hold inference tensors, which autograd refuses to save when a later
+    call trains.  So plans are always built on real, normal tensors.
     """
-    with _disable_current_modes():
+    with _disable_current_modes(), torch.inference_mode(False):
         yield
 
 

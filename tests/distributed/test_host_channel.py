@@ -319,3 +319,43 @@ def test_a_channel_does_not_keep_its_destroyed_group_alive():
     """A group kept alive until interpreter exit aborted gloo ranks there (a joinable worker thread)."""
     for opened, released in run_on_ranks(2, _destroyed_group_is_released):
         assert opened and released
+
+
+def _collectives_first_in_inference_mode() -> dict:
+    import torch.distributed as dist
+
+    from physics_dp.distributed import collectives, host_channel
+
+    group = dist.new_group(list(range(dist.get_world_size())))  # its channel opens in inference mode below
+    rank, world = dist.get_rank(), dist.get_world_size()
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+
+    def run_all() -> list[torch.Tensor]:
+        mine = torch.full((3,), float(rank + 1))
+        received = collectives.exchange_with_neighbours(
+            {nxt: mine}, {prv: mine.shape}, group, dtype=mine.dtype, device=mine.device
+        )
+        return [
+            collectives.all_reduce(mine, "sum", group),
+            collectives.all_gather_rows(mine.double(), group),
+            received[prv],
+        ]
+
+    with torch.inference_mode():
+        inside = run_all()
+    outside = run_all()  # the channel's cached slot views must take in-place writes here too
+    through_channel = host_channel._channels[group] is not None
+    dist.destroy_process_group(group)
+    return {"through channel": through_channel, "equal": [torch.equal(a, b) for a, b in zip(inside, outside)],
+            "sum": outside[0][0].item(), "from previous": outside[2][0].item()}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_channel_opened_in_inference_mode_serves_training_afterwards(world):
+    """Evaluating under ``torch.inference_mode()`` before training made the slots inference tensors, which
+    refuse the next in-place write outside that mode ("Inplace update to inference tensor")."""
+    for rank, result in enumerate(run_on_ranks(world, _collectives_first_in_inference_mode)):
+        assert result["through channel"]
+        assert result["equal"] == [True, True, True]
+        assert result["sum"] == world * (world + 1) / 2
+        assert result["from previous"] == (rank - 1) % world + 1

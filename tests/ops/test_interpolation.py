@@ -268,3 +268,26 @@ def _resize_on_the_slab(world, name):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_power_of_two_resizes_run_on_the_slab_without_copying_it(world, name):
     assert all(run_on_ranks(world, _resize_on_the_slab, world, name))
+
+
+def _planned_in_inference_mode_then_differentiated(mode: str) -> tuple[float, float]:
+    """The cached taps and plans of a size seen first under ``torch.inference_mode()``, then with autograd."""
+    mesh = get_mesh((torch.distributed.get_world_size(),), ("domain",))
+    x = torch.randn(1, 3, 23, 7, generator=torch.Generator().manual_seed(5), dtype=torch.float64)  # sizes no other test uses
+    call = {"size": (37, 9), "mode": mode, **({} if mode == "nearest" else {"align_corners": False})}
+    with torch.inference_mode():
+        F.interpolate(distribute_tensor(x, mesh, [Shard(2)]), **call)
+    sharded = distribute_tensor(x, mesh, [Shard(2)]).requires_grad_()
+    y = F.interpolate(sharded, **call)
+    y.backward(torch.ones_like(y))
+    plain = x.clone().requires_grad_()
+    expected = F.interpolate(plain, **call)
+    expected.backward(torch.ones_like(expected))
+    return (y.full_tensor() - expected).abs().max().item(), (sharded.grad.full_tensor() - plain.grad).abs().max().item()
+
+
+@pytest.mark.parametrize("mode", ["nearest", "bilinear", "bicubic"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_plans_made_in_inference_mode_serve_autograd_afterwards(world, mode):
+    for output_error, grad_error in run_on_ranks(world, _planned_in_inference_mode_then_differentiated, mode):
+        assert output_error < 1e-12 and grad_error < 1e-12
