@@ -14,6 +14,7 @@ has count 0 and weighs nothing.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -23,7 +24,7 @@ from torch.distributed import ProcessGroup
 from ..distributed import collectives
 from ..distributed.tracing import is_tracing
 
-__all__ = ["exact_local_moments", "merge_moments", "global_moments", "row_moments", "LOW_PRECISION"]
+__all__ = ["exact_local_moments", "merge_moments", "global_moments", "row_moments", "row_parts", "LOW_PRECISION"]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -35,16 +36,68 @@ def row_moments(rows: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, 
     On the CPU the group-norm kernel also writes the normalized rows, which normalization
     rescales in place.  Eager CUDA takes synchronized batch norm's statistics kernel instead:
     there nothing rescales in place, and it reads the rows once and writes no slab-sized
-    temporary.  eps = 0 makes rstd = var^-1/2 exactly as computed: inf for a constant row (whose
+    temporary; a few long rows are cut into parts (:func:`row_parts`) whose moments merge.
+    eps = 0 makes rstd = var^-1/2 exactly as computed: inf for a constant row (whose
     normalized values are then not finite), so var = rstd^-2 is 0 there.
     """
     p, q = rows.shape  # the kernels take contiguous rows only (a strided view's rows are copied)
     rows = rows.reshape(1, p, q).contiguous()
     if rows.is_cuda and not is_tracing():
-        mean, rstd = torch.batch_norm_stats(rows, 0.0)
-        return None, mean, rstd
+        parts = row_parts(p, q, rows.device)
+        mean, rstd = torch.batch_norm_stats(rows.view(1, p * parts, q // parts), 0.0)
+        rstd.masked_fill_(rstd == 0, math.inf)  # the kernel gives 0 for a constant row (var 0, eps 0)
+        return None, *(merge_equal_parts(mean.view(p, parts), rstd.view(p, parts)) if parts > 1 else (mean, rstd))
     normalized, mean, rstd = torch.native_group_norm(rows, None, None, 1, p, q, p, 0.0)
     return normalized.view(p, q), mean.view(p), rstd.view(p)
+
+
+_LONG_ROW = 1 << 20  # values per row above which a row's lone block of threads outlasts the parts' few extra kernels
+_MIN_PART = 1 << 14  # values a part of a row keeps: enough work for a block of threads
+
+
+def row_parts(rows: int, length: int, device: torch.device, batch: int = 1) -> int:
+    """Into how many equal parts to cut each of ``rows`` rows (``batch`` runs of ``length``
+    values each) before a per-row kernel.
+
+    torch's CUDA kernels for per-row statistics and batch-norm reductions give each row (channel)
+    one block of threads, so a few long rows (layer norm over a whole sample, group norm's
+    N * groups rows) leave most of a GPU idle: layer norm over one 50M-value row took 157 ms
+    forward and backward on an H100, 1.9 ms in parts.  Cut into parts, a row gets a block per
+    part and the parts' results merge exactly.  Rows as many as the GPU's multiprocessors, or of
+    at most ``_LONG_ROW`` values, stay whole: there the parts' few extra small kernels cost more
+    than they save (on an H100, 1M-value rows lost 0.3 ms in parts, 1.5M-value rows gained 0.5).
+    1 on the CPU (one thread per rank reads the rows in turn either way) and while tracing (the
+    compiler splits reductions itself).
+    """
+    if device.type != "cuda" or is_tracing():
+        return 1
+    return _parts_dividing(rows, length, batch, _multiprocessors(device.index))
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int | None) -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=1024)
+def _parts_dividing(rows: int, length: int, batch: int, processors: int) -> int:
+    """The largest k dividing ``length`` that keeps rows * k within about four blocks per
+    processor and parts of at least ``_MIN_PART`` values; 1 for rows that need no cutting."""
+    values = batch * length
+    if rows >= processors or values <= _LONG_ROW:
+        return 1
+    most = min(-(-4 * processors // rows), values // _MIN_PART)
+    return next((k for k in range(most, 1, -1) if length % k == 0), 1)
+
+
+def merge_equal_parts(mean: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of (P, k) part statistics over equally many values each: (mean (P,), 1 / std (P,)),
+    in the parts' dtype, merged in float64 (the variance as the mean of the parts' variances plus
+    their means' spread; a constant row keeps rstd = inf)."""
+    means, variances = mean.double(), rstd.double().pow(-2)
+    row_mean = means.mean(1, keepdim=True)
+    var = (means - row_mean).square_().add_(variances).mean(1)
+    return row_mean.view(-1).to(mean.dtype), var.rsqrt_().to(rstd.dtype)
 
 
 def exact_local_moments(x: torch.Tensor, dims: Sequence[int]) -> tuple[int, torch.Tensor, torch.Tensor]:

@@ -37,7 +37,7 @@ from ..shard_tensor import Replicate, ShardTensor
 from ..shard_tensor.dispatch import run_default
 from ._local import ShardedOpError, data_axes, groups_spanning, local_input, local_param, sharded_axes, wrap_local, wrap_local_as
 from .grad_sums import SumGradOverGroups, creating_graph, sum_shares
-from .moments import LOW_PRECISION, merge_moments, row_moments
+from .moments import LOW_PRECISION, merge_moments, row_moments, row_parts
 
 __all__: list[str] = []
 
@@ -133,14 +133,18 @@ def _scale_shift(
     Eval-mode batch norm with mean 0 and variance 1 computes exactly ``x * weight + bias`` per
     channel; viewing (N, C, L) as one sample of N * C channels gives per-(sample, channel) values.
     Its CPU kernel reads each element before writing the same element, so it may write over its
-    input: one pass where ``mul_`` then ``add_`` take two.
+    input: one pass where ``mul_`` then ``add_`` take two.  On a GPU a few long channels are cut
+    into parts (:func:`.moments.row_parts`), each with the channel's coefficients.
     """
     n, c, length = x3.shape
     if x3.numel() == 0:  # an empty shard (the kernel cannot take zero channels)
         return x3 if in_place else torch.empty_like(x3)
     weight, bias = layout.expanded(scale, n, c, x3.dtype), layout.expanded(shift, n, c, x3.dtype)
-    zeros, ones, scratch = _identity_stats(n * c, x3)
-    rows = x3.reshape(1, n * c, length)
+    parts = 1 if in_place else row_parts(n * c, length, x3.device)
+    if parts > 1:
+        weight, bias = weight.repeat_interleave(parts), bias.repeat_interleave(parts)
+    zeros, ones, scratch = _identity_stats(n * c * parts, x3)
+    rows = x3.reshape(1, n * c * parts, length // parts)
     if not in_place:
         return torch.batch_norm(rows, weight, bias, zeros, ones, False, 0.0, 0.0, False).view(n, c, length)
     torch.native_batch_norm(rows, weight, bias, zeros, ones, False, 0.0, 0.0, out=(rows, scratch, scratch))
@@ -152,16 +156,22 @@ def _row_sums(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor) -> torch.
 
     torch's batch-norm backward reduces both in one pass over ``grad`` and ``x`` (two separate
     reductions read the gradient twice); given 1 / std = 1 it leaves the scaling to the caller.
-    The weight (ones) must be given: CUDA's reduction reads its device.
+    The weight (ones) must be given: CUDA's reduction reads its device.  On a GPU a few long
+    channels are cut into parts (:func:`.moments.row_parts`) whose sums add up.
     """
-    channels = x.shape[1]
+    n, channels, length = x.shape
     if x.numel() == 0:  # an empty shard (the kernel divides by its extents)
         return torch.zeros(2, channels, dtype=torch.float64, device=x.device)
-    _, ones, _ = _identity_stats(channels, x)
+    parts = row_parts(channels, length, x.device, batch=n)
+    if parts > 1:
+        split = (n, channels * parts, length // parts)
+        grad, x, mean = grad.reshape(split), x.reshape(split), mean.repeat_interleave(parts)
+    _, ones, _ = _identity_stats(channels * parts, x)
     _, sum_dy_xmu, sum_dy = torch.ops.aten.native_batch_norm_backward(
         grad, x, ones, None, None, mean, ones, True, 0.0, [False, True, True]
     )
-    return torch.stack((sum_dy, sum_dy_xmu)).double()
+    sums = torch.stack((sum_dy, sum_dy_xmu)).double()
+    return sums.view(2, channels, parts).sum(-1) if parts > 1 else sums
 
 
 class _ChannelNorm(torch.autograd.Function):

@@ -410,3 +410,55 @@ def _partial_input() -> bool:
 
 def test_partial_input_is_reduced_first() -> None:
     run_on_ranks(2, _partial_input)
+
+
+def local_norm(kind: str, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, groups: int = 4) -> torch.Tensor:
+    """The autograd functions behind the sharded norms over no process group (the slab's own
+    statistics); shared with ``test_normalization_cuda.py``."""
+    from physics_dp.ops import normalization as N
+
+    n, c = x.shape[:2]
+    if kind == "layer":
+        return N._NormalizeGlobally.apply(x, tuple(range(1, x.ndim)), (), 1e-5)
+    layout = {"group": N._StatLayout(groups, True), "batch": N._StatLayout(c, False), "instance": N._StatLayout(c, True)}[kind]
+    return N._ChannelNorm.apply(x.reshape(n, c, -1), weight, bias, layout, (), 1e-5)[0].view(x.shape)
+
+
+def torch_norm(kind: str, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, groups: int = 4) -> torch.Tensor:
+    """torch's own op for :func:`local_norm` (layer norm without affine parameters)."""
+    if kind == "group":
+        return F.group_norm(x, groups, weight, bias)
+    if kind == "batch":
+        return F.batch_norm(x, None, None, weight, bias, training=True)
+    if kind == "instance":
+        return F.instance_norm(x, weight=weight, bias=bias)
+    return F.layer_norm(x, x.shape[1:])
+
+
+@pytest.mark.parametrize("kind", ["group", "batch", "instance", "layer"])
+@pytest.mark.parametrize("parts", [2, 3])
+def test_rows_cut_into_parts_give_the_same_norm(kind: str, parts: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the backward's row sums and the rescale cut a few long rows into parts; forced on the CPU, they match torch."""
+    from physics_dp.ops import normalization as N
+
+    cuts: list[tuple[int, int]] = []
+
+    def cut(rows: int, length: int, device: torch.device, batch: int = 1) -> int:
+        cuts.append((rows, length))
+        return parts if length % parts == 0 else 1
+
+    monkeypatch.setattr(N, "row_parts", cut)
+    generator = torch.Generator().manual_seed(parts)
+    shape = (2, 4, 6, 5)  # every row length (30, 60, 120) divides by 2 and 3
+    x = (3 + torch.randn(shape, generator=generator, dtype=torch.float64)).requires_grad_()
+    weight = torch.randn(4, generator=generator, dtype=torch.float64).requires_grad_()
+    bias = torch.randn(4, generator=generator, dtype=torch.float64).requires_grad_()
+    cotangent = torch.randn(shape, generator=generator, dtype=torch.float64)
+    inputs = [x] if kind == "layer" else [x, weight, bias]
+    results = []
+    for op in (local_norm, torch_norm):
+        out = op(kind, x, weight, bias, groups=2)
+        results.append((out, *torch.autograd.grad(out, inputs, cotangent)))
+    assert cuts, "the norm never asked how to cut its rows"
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10)
