@@ -350,6 +350,11 @@ class _RowRequests:
     recv_counts: tuple[int, ...]
     inverse: torch.Tensor
 
+    def to(self, device: torch.device) -> _RowRequests:
+        """The plan on ``device``; a host-to-GPU copy that does not block makes the GPU's stream no wait."""
+        send_rows = tuple(rows.to(device, non_blocking=True) for rows in self.send_rows)
+        return _RowRequests(send_rows, self.recv_counts, self.inverse.to(device, non_blocking=True))
+
 
 def _row_requests(index: torch.Tensor, in_sizes: Sequence[int], out_sizes: Sequence[int], me: int) -> _RowRequests:
     parts = len(in_sizes)
@@ -407,8 +412,9 @@ def sharded_index_select(tensor: ShardTensor, dim: int, index: torch.Tensor) -> 
     spec = tensor._spec
     axis = axis_sharding(spec, dim)
     index = index.reshape(-1).long()
+    host_index = index.cpu()  # the checks and the routing read its values: on a GPU one wait, not one per read
     extent = spec.shape[dim]
-    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= extent):
+    if host_index.numel() and (int(host_index.min()) < 0 or int(host_index.max()) >= extent):
         raise IndexError(f"index_select(): index out of range for dim {dim} of size {extent}")
     shape = with_extent(spec.shape, dim, index.numel())
     if axis is None:
@@ -417,7 +423,7 @@ def sharded_index_select(tensor: ShardTensor, dim: int, index: torch.Tensor) -> 
     parts = spec.mesh.size(axis)
     out_sizes = balanced_sizes(index.numel(), parts)
     me = spec.coordinate()[axis]
-    plan = _row_requests(index, spec.axis_sizes[axis], out_sizes, me)
+    plan = _row_requests(host_index, spec.axis_sizes[axis], out_sizes, me).to(index.device)
     local = _IndexSelectExchange.apply(to_local(tensor), dim, plan, spec.mesh.get_group(axis))
     out = ShardTensorSpec(spec.mesh, spec.placements, shape, _with_dim_sizes(spec, axis, out_sizes))
     return from_local_with_spec(local, out)

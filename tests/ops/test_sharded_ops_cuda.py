@@ -9,6 +9,7 @@ input gradient and parameter gradients.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -90,3 +91,23 @@ def test_sharded_op_equals_plain_on_cuda(name: str, mesh, without_size_one_short
     torch.testing.assert_close(out.full_tensor(), expected, atol=1e-4, rtol=1e-5)
     for grad, want in zip(got, wanted):
         torch.testing.assert_close(grad.full_tensor() if hasattr(grad, "full_tensor") else grad, want, atol=1e-4, rtol=1e-5)
+
+
+def test_index_select_over_a_sharded_dim_waits_for_the_gpu_once(mesh, without_size_one_shortcut) -> None:
+    """Routing rows reads the index's values on the host: one copy there, not a wait per read
+    (before: eight, from the range check, ``unique``, the owners and the counts; then three, with
+    the plan copied back to the GPU by blocking copies)."""
+    device = DistributedManager().device
+    x = distribute_tensor(torch.randn(2, 8, 16, 12, device=device), mesh, [Shard(2)])
+    index = torch.tensor([0, 3, 7, 3], device=device)
+    x.index_select(2, index)  # the first call may build caches
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            x.index_select(2, index)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    waits = [str(w.message) for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
+    assert len(waits) == 1, waits
