@@ -84,7 +84,7 @@ def _parts_dividing(rows: int, length: int, batch: int, processors: int) -> int:
     """The largest k dividing ``length`` that keeps rows * k within about four blocks per
     processor and parts of at least ``_MIN_PART`` values; 1 for rows that need no cutting."""
     values = batch * length
-    if rows >= processors or values <= _LONG_ROW:
+    if not 0 < rows < processors or values <= _LONG_ROW:
         return 1
     most = min(-(-4 * processors // rows), values // _MIN_PART)
     return next((k for k in range(most, 1, -1) if length % k == 0), 1)

@@ -18,6 +18,7 @@ from physics_dp.ops.moments import _MIN_PART, _parts_dividing, merge_equal_parts
         (8, 8 * 256 * 256, 1, 1),
         (8, 8 * 256 * 256, 4, 64),  # ... unless a batch of such runs makes a row long
         (128, 1 << 22, 1, 1),  # as many rows as processors
+        (0, 1 << 22, 1, 1),  # no rows
         (1, 1_000_003 * 2, 1, 2),  # parts must divide the row: the largest divisor under the bound
         (1, 1_000_003, 1, 1),  # a prime length stays whole
     ],
