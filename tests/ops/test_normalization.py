@@ -412,6 +412,33 @@ def test_partial_input_is_reduced_first() -> None:
     run_on_ranks(2, _partial_input)
 
 
+def _families_with_rows_cut() -> tuple[list[str], int]:
+    """Each family's first module on 2 ranks with every even row forced into 2 parts (as a GPU cuts
+    long rows), against one device; and how many rows were cut."""
+    from physics_dp.ops import normalization as N
+
+    real, cuts = N.row_parts, []
+
+    def cut(rows: int, length: int, device: torch.device, batch: int = 1) -> int:
+        cuts.append(length % 2 == 0)
+        return 2 if cuts[-1] else 1
+
+    N.row_parts = cut
+    try:
+        combos: dict[str, Callable[[], None]] = {}
+        for builders in FAMILIES.values():
+            name, build = next(iter(builders("2").items()))
+            combos.update(_module_combos("2", "even", {name: build}))
+        return run_combos(combos), sum(cuts)
+    finally:
+        N.row_parts = real
+
+
+def test_rows_cut_into_parts_match_single_device_across_ranks() -> None:
+    for _, cut in run_on_ranks(2, _families_with_rows_cut):
+        assert cut > 0
+
+
 def local_norm(kind: str, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, groups: int = 4) -> torch.Tensor:
     """The autograd functions behind the sharded norms over no process group (the slab's own
     statistics); shared with ``test_normalization_cuda.py``."""
