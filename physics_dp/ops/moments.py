@@ -93,7 +93,8 @@ def _parts_dividing(rows: int, length: int, batch: int, processors: int) -> int:
 def merge_equal_parts(mean: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of (P, k) part statistics over equally many values each: (mean (P,), 1 / std (P,)),
     in the parts' dtype, merged in float64 (the variance as the mean of the parts' variances plus
-    their means' spread; a constant row keeps rstd = inf)."""
+    their means' spread; a constant row keeps rstd = inf).  Not :func:`_merged`: its weights
+    (1 / k, inexact in binary) can move a constant row's mean by an ulp, and its rstd off inf."""
     means, variances = mean.double(), rstd.double().pow(-2)
     row_mean = means.mean(1, keepdim=True)
     var = (means - row_mean).square_().add_(variances).mean(1)
