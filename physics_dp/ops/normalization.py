@@ -75,9 +75,12 @@ class _StatLayout:
         merged = mean_nc.mean(0, keepdim=True)
         return count, merged, (mean_nc - merged).square_().add_(var).mean(0, keepdim=True), local
 
-    def expanded(self, per_stat: torch.Tensor, n: int, channels: int, dtype: torch.dtype) -> torch.Tensor:
-        """A (N or 1, groups, 1 or channels per group) coefficient as the (N * C,) vector of ``dtype`` a kernel takes."""
-        full = (n, self.groups, channels // self.groups)
+    def expanded(self, per_stat: torch.Tensor, n: int, channels: int, dtype: torch.dtype, parts: int = 1) -> torch.Tensor:
+        """A (N or 1, groups, 1 or channels per group) coefficient as the (N * C * parts,) vector
+        of ``dtype`` a kernel takes (each channel's value ``parts`` times, for channels cut into parts)."""
+        full: tuple[int, ...] = (n, self.groups, channels // self.groups)
+        if parts > 1:
+            per_stat, full = per_stat.unsqueeze(-1), (*full, parts)
         if per_stat.shape != full:  # (an expand of the full shape still costs a call)
             per_stat = per_stat.expand(full)
         return per_stat.to(dtype).reshape(-1)
@@ -139,10 +142,8 @@ def _scale_shift(
     n, c, length = x3.shape
     if x3.numel() == 0:  # an empty shard (the kernel cannot take zero channels)
         return x3 if in_place else torch.empty_like(x3)
-    weight, bias = layout.expanded(scale, n, c, x3.dtype), layout.expanded(shift, n, c, x3.dtype)
     parts = 1 if in_place else row_parts(n * c, length, x3.device)
-    if parts > 1:
-        weight, bias = weight.repeat_interleave(parts), bias.repeat_interleave(parts)
+    weight, bias = layout.expanded(scale, n, c, x3.dtype, parts), layout.expanded(shift, n, c, x3.dtype, parts)
     zeros, ones, scratch = _identity_stats(n * c * parts, x3)
     rows = x3.reshape(1, n * c * parts, length // parts)
     if not in_place:
