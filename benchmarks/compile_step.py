@@ -17,6 +17,7 @@ does.  Ranks are spawned here with one thread each on a ("data", "domain") = (1,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -68,6 +69,14 @@ def plain_row(args: argparse.Namespace, backend: str | None, device: torch.devic
 
 
 def _rank_body(args: argparse.Namespace, backend: str | None) -> dict[str, Any]:
+    from physics_dp.testing import sharded_code_on_size_one_axes
+
+    with sharded_code_on_size_one_axes() if args.sharded_code else contextlib.nullcontext():
+        return _sharded_steps(args, backend)
+
+
+def _sharded_steps(args: argparse.Namespace, backend: str | None) -> dict[str, Any]:
+    """This rank's eager or compiled ShardTensor steps, the batch sharded on H."""
     from physics_dp.distributed import DistributedManager
     from physics_dp.nn import domain_mesh, parallelize
     from physics_dp.shard_tensor import Shard, distribute_tensor
@@ -88,7 +97,8 @@ def sharded_row(args: argparse.Namespace, world: int, backend: str | None) -> di
     """The slowest rank's times."""
     per_rank = run_ranks(world, _rank_body, args, backend)
     times = {key: max(r[key] for r in per_rank) for key in ("warmup_s", "step_s")}
-    return {"config": f"{world} rank{'s' if world > 1 else ''} x1 thr", "ranks": world, "backend": backend or "eager", **times}
+    code = ", sharded code" if args.sharded_code and world == 1 else ""
+    return {"config": f"{world} rank{'s' if world > 1 else ''} x1 thr{code}", "ranks": world, "backend": backend or "eager", **times}
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -117,6 +127,8 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first compiles)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sharded-code", action="store_true",
+                        help="a 1-rank domain runs every op's sharded code (sharded_code_on_size_one_axes): on one GPU")
     args = parser.parse_args(argv)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     rows = [plain_row(args, None, device), plain_row(args, args.backend, device)]

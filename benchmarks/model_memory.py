@@ -25,6 +25,7 @@ needs its own GPU, and rank counts above the GPU count are skipped.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.resources
 import json
@@ -320,14 +321,22 @@ def _floor_body(args: argparse.Namespace, world: int, rank: int, group: Any) -> 
 def _rank_body(args: argparse.Namespace, data_parallel: str) -> dict[str, Any]:
     """One rank's measurement on a ("data", "domain") = (1, world) mesh; collective."""
     from physics_dp.distributed import DistributedManager
-    from physics_dp.nn import domain_mesh, parallelize
-    from physics_dp.shard_tensor import Shard, distribute_tensor
+    from physics_dp.testing import sharded_code_on_size_one_axes
 
     if args.allocator == "keep":
         keep_freed_memory()
     manager = DistributedManager()
     if data_parallel == FLOOR:
         return _floor_body(args, manager.world_size, manager.rank, dist.group.WORLD)
+    with sharded_code_on_size_one_axes() if args.sharded_code else contextlib.nullcontext():
+        return _sharded_step_body(args, manager, data_parallel)
+
+
+def _sharded_step_body(args: argparse.Namespace, manager: Any, data_parallel: str) -> dict[str, Any]:
+    """The ShardTensor step on this rank: the model parallelized, the batch sharded on H."""
+    from physics_dp.nn import domain_mesh, parallelize
+    from physics_dp.shard_tensor import Shard, distribute_tensor
+
     mesh = manager.initialize_mesh((1, manager.world_size), ("data", "domain"))
     device = manager.device
     model = build_model(args.grid, args.state_channels, args.cond_channels, args.model, args.seed).to(device)
@@ -350,7 +359,8 @@ def sharded_run(args: argparse.Namespace, world: int, data_parallel: str) -> dic
     """Spawn ``world`` ranks, measure, and merge: the slowest rank's time, the largest peaks."""
     per_rank = run_ranks(world, _rank_body, args, data_parallel)
     label = (f"{world} procs x1 thr, plain model on 1/{world} of the grid each, no communication (floor)"
-             if data_parallel == FLOOR else f"{world} rank{'s' if world > 1 else ''} x1 thr ({data_parallel})")
+             if data_parallel == FLOOR else f"{world} rank{'s' if world > 1 else ''} x1 thr ({data_parallel}"
+             f"{', sharded code' if args.sharded_code and world == 1 else ''})")
     merged: dict[str, Any] = {"config": label, "kind": "floor" if data_parallel == FLOOR else "sharded",
                               "ranks": world, "threads": 1, "data_parallel": data_parallel, "per_rank": per_rank}
     for key in per_rank[0]:
@@ -425,6 +435,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (>= 1: AdamW allocates its state)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps; the median is reported")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sharded-code", action="store_true",
+                        help="a 1-rank domain runs every op's sharded code instead of the plain op "
+                        "(sharded_code_on_size_one_axes): what the multi-rank paths cost, on one GPU")
     parser.add_argument("--json", metavar="PATH", help="write every row (per-rank details included) here")
     args = parser.parse_args(argv)
     if args.warmup < 1 or args.steps < 1:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from physics_dp.testing.rank_pool import shutdown_pools
@@ -15,3 +17,16 @@ def fresh_rank_processes():
     code in a fresh job is unaffected."""
     shutdown_pools()
     yield
+
+
+@pytest.fixture(scope="module")
+def one_gpu_mesh() -> Iterator:
+    """A 1-rank ("domain",) mesh in this process, on its GPU (for the CUDA tests; see
+    ``sharded_code_on_size_one_axes`` for running the sharded code there)."""
+    from physics_dp.distributed import DistributedManager
+
+    DistributedManager.initialize()  # a lone process: a 1-rank NCCL group
+    try:
+        yield DistributedManager().initialize_mesh((1,), ("domain",))
+    finally:
+        DistributedManager().cleanup()

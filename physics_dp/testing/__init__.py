@@ -2,6 +2,7 @@
 
 from .compare import MatchReport, assert_sharded_matches
 from .rank_pool import RankFailure, free_port, get_mesh, run_on_ranks, shutdown_pools
+from .size_one import sharded_code_on_size_one_axes
 from .traffic import forward_backward_traffic
 
 __all__ = [
@@ -12,5 +13,6 @@ __all__ = [
     "free_port",
     "get_mesh",
     "run_on_ranks",
+    "sharded_code_on_size_one_axes",
     "shutdown_pools",
 ]

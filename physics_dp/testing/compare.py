@@ -135,7 +135,7 @@ def assert_sharded_matches(
     for actual, expected in zip(shard_list, ref_list):
         if not expected.requires_grad or not _differentiable(expected):
             continue
-        cotangent = torch.randn(expected.shape, generator=generator, dtype=expected.dtype)
+        cotangent = torch.randn(expected.shape, generator=generator, dtype=expected.dtype).to(expected.device)
         # Re<cotangent, output>: the real loss whose gradient w.r.t. the output is ``cotangent``
         # (torch's convention for complex tensors; the plain dot product for real ones)
         ref_terms.append(_dot(expected, cotangent))

@@ -95,3 +95,15 @@ def test_script_prints_table_and_writes_json(tmp_path: Path) -> None:
         assert all(r["local_grid"] == [16 // world, 24] for r in row["per_rank"])
         assert (row["bytes_sent"] > 0) == (world > 1) and row["activation_target_ratio"] == payload["target_slack"] / world
     assert rows["1 rank x1 thr (none)"]["activation_ratio_to_1rank"] == 1.0
+
+
+def test_sharded_code_runs_a_one_rank_step_through_the_sharded_ops(tmp_path: Path) -> None:
+    out = tmp_path / "memory.json"
+    command = [sys.executable, str(BENCHMARKS / "model_memory.py"), "--grid", "16", "24", "--ranks", "1", "--steps", "1",
+               "--sharded-code", "--json", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = {row["config"]: row for row in json.loads(out.read_text())["rows"]}
+    sharded = rows["1 rank x1 thr (none, sharded code)"]
+    assert sharded["output_type"] == "ShardTensor"
+    assert math.isclose(sharded["loss"], rows["plain x1 thr"]["loss"], rel_tol=1e-5)

@@ -1,9 +1,9 @@
 """The op library's sharded code on CUDA tensors (skipped without a GPU; CI has none).
 
 One GPU hosts only a 1-rank mesh, whose size-1 axis would run every op as the plain op on its
-slab.  With that shortcut switched off, each handler runs its sharded code (halo strips,
-statistics merge, FFT pencils, attention ring, reductions) with 1-rank collectives, so CUDA's
-rules (index tensors on the device, kernel arguments) are exercised against the plain op: output,
+slab.  With that shortcut switched off (``sharded_code_on_size_one_axes``), each handler runs its
+sharded code (halo strips, statistics merge, FFT pencils, attention ring, reductions; collectives
+over one rank return their input), so CUDA's rules (index tensors on the device, kernel arguments) are exercised against the plain op: output,
 input gradient and parameter gradients.
 """
 
@@ -18,7 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from physics_dp.distributed import DistributedManager
-from physics_dp.shard_tensor import Replicate, Shard, ShardTensorSpec, distribute_tensor
+from physics_dp.shard_tensor import Shard, distribute_tensor
+from physics_dp.testing import sharded_code_on_size_one_axes
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -52,28 +53,14 @@ OPS: dict[str, Callable[[], Callable[[torch.Tensor], torch.Tensor]]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def mesh() -> Iterator:
-    DistributedManager.initialize()  # a lone process: a 1-rank NCCL group
-    try:
-        yield DistributedManager().initialize_mesh((1,), ("domain",))
-    finally:
-        DistributedManager().cleanup()
-
-
 @pytest.fixture
-def without_size_one_shortcut(monkeypatch: pytest.MonkeyPatch) -> None:
-    derive = ShardTensorSpec._derive
-
-    def derive_sharded(spec: ShardTensorSpec) -> None:
-        derive(spec)
-        spec.local_only = all(type(p) is Replicate for p in spec.placements)
-
-    monkeypatch.setattr(ShardTensorSpec, "_derive", derive_sharded)
+def without_size_one_shortcut() -> Iterator[None]:
+    with sharded_code_on_size_one_axes():
+        yield
 
 
 @pytest.mark.parametrize("name", sorted(OPS))
-def test_sharded_op_equals_plain_on_cuda(name: str, mesh, without_size_one_shortcut) -> None:
+def test_sharded_op_equals_plain_on_cuda(name: str, one_gpu_mesh, without_size_one_shortcut) -> None:
     torch.manual_seed(0)
     op = OPS[name]()
     device = DistributedManager().device
@@ -85,20 +72,20 @@ def test_sharded_op_equals_plain_on_cuda(name: str, mesh, without_size_one_short
     expected = op(plain_x)
     cotangent = torch.randn_like(expected)
     wanted = torch.autograd.grad(expected, [plain_x, *params], cotangent)
-    sharded_x = distribute_tensor(x, mesh, [Shard(2)]).requires_grad_()
+    sharded_x = distribute_tensor(x, one_gpu_mesh, [Shard(2)]).requires_grad_()
     out = op(sharded_x)
-    got = torch.autograd.grad(out, [sharded_x, *params], distribute_tensor(cotangent, mesh, out.placements))
+    got = torch.autograd.grad(out, [sharded_x, *params], distribute_tensor(cotangent, one_gpu_mesh, out.placements))
     torch.testing.assert_close(out.full_tensor(), expected, atol=1e-4, rtol=1e-5)
     for grad, want in zip(got, wanted):
         torch.testing.assert_close(grad.full_tensor() if hasattr(grad, "full_tensor") else grad, want, atol=1e-4, rtol=1e-5)
 
 
-def test_index_select_over_a_sharded_dim_waits_for_the_gpu_once(mesh, without_size_one_shortcut) -> None:
+def test_index_select_over_a_sharded_dim_waits_for_the_gpu_once(one_gpu_mesh, without_size_one_shortcut) -> None:
     """Routing rows reads the index's values on the host: one copy there, not a wait per read
     (before: eight, from the range check, ``unique``, the owners and the counts; then three, with
     the plan copied back to the GPU by blocking copies)."""
     device = DistributedManager().device
-    x = distribute_tensor(torch.randn(2, 8, 16, 12, device=device), mesh, [Shard(2)])
+    x = distribute_tensor(torch.randn(2, 8, 16, 12, device=device), one_gpu_mesh, [Shard(2)])
     index = torch.tensor([0, 3, 7, 3], device=device)
     x.index_select(2, index)  # the first call may build caches
     torch.cuda.synchronize()
