@@ -30,3 +30,17 @@ def one_gpu_mesh() -> Iterator:
         yield DistributedManager().initialize_mesh((1,), ("domain",))
     finally:
         DistributedManager().cleanup()
+
+
+@pytest.fixture
+def full_fp32() -> Iterator[None]:
+    """TF32 off on CUDA for the test: it rounds each product to 10 bits, differently for a slab and
+    for a whole grid, so sharded and plain results could not be compared at fp32 tolerances."""
+    import torch
+
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -49,17 +49,6 @@ MODELS: dict[str, Callable[[], tuple[torch.nn.Module, list[torch.Tensor]]]] = {
     "song_unet": _song_unet,
     "dit": _dit,
 }
-
-
-@pytest.fixture
-def full_fp32() -> Iterator[None]:
-    """TF32 rounds each product to 10 bits, differently for a slab and a whole grid."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def _on_gpu(make: Callable[[], tuple[torch.nn.Module, list[torch.Tensor]]]) -> tuple[torch.nn.Module, list[torch.Tensor]]:

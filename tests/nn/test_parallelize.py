@@ -91,10 +91,19 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _equivalence(kind: str, layout: str, data_parallel: str) -> dict[str, float]:
-    shape, names = LAYOUTS[layout]
-    mesh = get_mesh(shape, names)
-    batch = _batch()
-    model = _build(kind)
+    return step_against_one_device(kind, get_mesh(*LAYOUTS[layout]), data_parallel)
+
+
+def _mesh_device(mesh) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+
+
+def step_against_one_device(kind: str, mesh, data_parallel: str) -> dict[str, float]:
+    """One training step of ``parallelize(model, mesh, data_parallel)`` against the model on one
+    device (on the mesh's device type): the largest differences, the losses and the output type."""
+    device = _mesh_device(mesh)
+    batch = {name: t.to(device) for name, t in _batch().items()}
+    model = _build(kind).to(device)
     reference = copy.deepcopy(model)
     ref_optim = _optimizer(reference)
 
@@ -155,17 +164,22 @@ def test_matches_single_device(kind, layout, data_parallel):
 
 
 def _bf16_close(data_parallel: str) -> float:
-    """bf16 compute stays within bf16 rounding of the fp32 single-device gradients."""
-    mesh = get_mesh((2, 1), ("data", "domain"))
-    batch = _batch()
-    model = _build("regression")
+    return bf16_gradients_against_fp32(get_mesh((2, 1), ("data", "domain")), data_parallel)
+
+
+def bf16_gradients_against_fp32(mesh, data_parallel: str) -> float:
+    """bf16 compute stays within bf16 rounding of the fp32 single-device gradients: the largest
+    difference relative to each gradient's scale."""
+    device = _mesh_device(mesh)
+    batch = {name: t.to(device) for name, t in _batch().items()}
+    model = _build("regression").to(device)
     reference = copy.deepcopy(model)
     ref_loss = ((reference(batch["x"], batch["condition"]) - batch["target"]) ** 2).mean()
     ref_loss.backward()
     parallel = parallelize(model, mesh, data_parallel, mixed_precision="bf16")
-    replica = mesh.get_local_rank(0)
+    replicas, replica = mesh.size(0), mesh.get_local_rank(0)
     domain = domain_mesh(mesh)
-    rows = slice(replica, replica + 1)
+    rows = slice(replica * GLOBAL_BATCH // replicas, (replica + 1) * GLOBAL_BATCH // replicas)
     out = parallel(distribute_tensor(batch["x"][rows], domain, [Shard(2)]), distribute_tensor(batch["condition"][rows], domain, [Shard(2)]))
     assert out.dtype == torch.bfloat16
     loss = ((out.float() - distribute_tensor(batch["target"][rows], domain, [Shard(2)])) ** 2).mean()
