@@ -37,6 +37,7 @@ torch.compile (functional collectives) and ``PHYSICS_DP_HOST_CHANNEL=0`` use glo
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import os
@@ -44,7 +45,7 @@ import platform
 import secrets
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -59,6 +60,7 @@ __all__ = [
     "open_channel",
     "opened_channel",
     "close_channels",
+    "collectives_over_c10d",
     "SLOT_BYTES",
     "MESSAGE_SLOT_BYTES",
     "ENABLE_ENV_VAR",
@@ -329,7 +331,7 @@ def channel_for(group: ProcessGroup, tensor: torch.Tensor, max_bytes: int | None
     rank reaches the handshake); later calls cost a dict lookup.
     """
     too_large = max_bytes is not None and max_bytes > SLOT_BYTES
-    if tensor.device.type != "cpu" or tensor.dtype == torch.bool or too_large or is_tracing():
+    if _over_c10d or tensor.device.type != "cpu" or tensor.dtype == torch.bool or too_large or is_tracing():
         return None
     return open_channel(group)
 
@@ -348,9 +350,26 @@ def opened_channel(group: ProcessGroup, device: torch.device, nbytes: int) -> Ho
 
     Never opens one: a point-to-point call need not be made by every rank of the group.
     """
-    if device.type != "cpu" or nbytes > MESSAGE_SLOT_BYTES or is_tracing():
+    if _over_c10d or device.type != "cpu" or nbytes > MESSAGE_SLOT_BYTES or is_tracing():
         return None
     return _channels.get(group)
+
+
+_over_c10d = False
+
+
+@contextlib.contextmanager
+def collectives_over_c10d() -> Iterator[None]:
+    """Within the block no collective of this process uses a channel: torch's collectives (c10d)
+    carry them all, as they carry every exchange of CUDA tensors.  So CPU ranks can test a GPU
+    job's path.  Every rank must be inside the block for the same collectives (a collective
+    that one rank sends through a channel and another through c10d would never meet)."""
+    global _over_c10d
+    previous, _over_c10d = _over_c10d, True
+    try:
+        yield
+    finally:
+        _over_c10d = previous
 
 
 def close_channels() -> None:

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from physics_dp.models import EDMPrecond, build_backbone, build_regression_unet
 from physics_dp.nn import FSDPOutputTensorAdapter, domain_mesh, parallelize
 from physics_dp.shard_tensor import Shard, distribute_tensor
-from physics_dp.testing import get_mesh, run_on_ranks
+from physics_dp.testing import collectives_over_c10d, get_mesh, run_on_ranks
 
 GRID = (16, 12)
 STATE, COND = 2, 3
@@ -161,6 +161,20 @@ def test_matches_single_device(kind, layout, data_parallel):
     # The replicas' losses average to the single-device loss over the whole batch.
     per_replica = [results[r]["loss_replica"] for r in range(0, world, world // replicas)]
     assert sum(per_replica) / replicas == pytest.approx(results[0]["ref_loss"], rel=1e-5, abs=1e-6)
+
+
+def _step_over_c10d(kind: str, data_parallel: str) -> dict[str, float]:
+    mesh = get_mesh((1, 2), ("data", "domain"))
+    with collectives_over_c10d():
+        return step_against_one_device(kind, mesh, data_parallel)
+
+
+@pytest.mark.parametrize("data_parallel", ["fsdp", "none"])
+def test_matches_single_device_over_c10d(data_parallel):
+    """The step of a GPU job: every exchange and the gradient buckets over torch's collectives."""
+    for rank, worst in enumerate(run_on_ranks(2, _step_over_c10d, "regression", data_parallel, timeout=180.0)):
+        for key in ("output", "input_grad", "param_grad", "param_after_step"):
+            assert worst[key] < 1e-4, f"rank {rank}: {key} differs by {worst[key]:.3e}"
 
 
 def _bf16_close(data_parallel: str) -> float:

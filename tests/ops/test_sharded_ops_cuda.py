@@ -3,54 +3,26 @@
 One GPU hosts only a 1-rank mesh, whose size-1 axis would run every op as the plain op on its
 slab.  With that shortcut switched off (``sharded_code_on_size_one_axes``), each handler runs its
 sharded code (halo strips, statistics merge, FFT pencils, attention ring, reductions; collectives
-over one rank return their input), so CUDA's rules (index tensors on the device, kernel arguments) are exercised against the plain op: output,
-input gradient and parameter gradients.
+over one rank return their input), so CUDA's rules (index tensors on the device, kernel
+arguments) are exercised against the plain op: output, input gradient and parameter gradients.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from physics_dp.distributed import DistributedManager
 from physics_dp.shard_tensor import Shard, distribute_tensor
 from physics_dp.testing import sharded_code_on_size_one_axes
 
+from ._op_cases import OPS
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def _attention(t: torch.Tensor) -> torch.Tensor:
-    tokens = t.flatten(2).transpose(1, 2).unsqueeze(1)  # (N, 1, H*W, C): H-sharded tokens
-    return F.scaled_dot_product_attention(tokens, tokens, tokens)
-
-
-OPS: dict[str, Callable[[], Callable[[torch.Tensor], torch.Tensor]]] = {
-    "conv2d": lambda: nn.Conv2d(8, 8, 3, padding=1),
-    "conv2d stride 2": lambda: nn.Conv2d(8, 8, 3, stride=2, padding=1),
-    "conv_transpose2d": lambda: nn.ConvTranspose2d(8, 4, 4, stride=2, padding=1),
-    "group_norm": lambda: nn.GroupNorm(2, 8),
-    "batch_norm": lambda: nn.BatchNorm2d(8),
-    "layer_norm": lambda: nn.LayerNorm([8, 16, 12]),
-    "avg_pool2d": lambda: lambda t: F.avg_pool2d(t, 2),
-    "max_pool2d": lambda: lambda t: F.max_pool2d(t, 3, 1, 1),
-    "interpolate bilinear": lambda: lambda t: F.interpolate(t, scale_factor=2, mode="bilinear"),
-    "interpolate nearest": lambda: lambda t: F.interpolate(t, scale_factor=2),
-    "pad circular": lambda: lambda t: F.pad(t, (2, 2, 2, 2), mode="circular"),
-    "pad reflect": lambda: lambda t: F.pad(t, (1, 1, 1, 1), mode="reflect"),
-    "fft2": lambda: lambda t: torch.fft.fft2(t).abs(),
-    "rfft2": lambda: lambda t: torch.fft.rfft2(t).abs(),
-    "attention": lambda: _attention,
-    "var over H, W": lambda: lambda t: t.var((2, 3)),
-    "amax over H": lambda: lambda t: t.amax(2),
-    "softmax over H": lambda: lambda t: t.softmax(2),
-    "pointwise chain": lambda: lambda t: F.silu(t * 2 + 1) * t,
-    "index_select over H": lambda: lambda t: t.index_select(2, torch.tensor([0, 3, 7], device=t.device)),
-}
 
 
 @pytest.fixture

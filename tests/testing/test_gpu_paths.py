@@ -1,12 +1,14 @@
-"""sharded_code_on_size_one_axes: a 1-rank axis runs the sharded code inside the block, the plain op outside."""
+"""The GPU job's paths where tests run: sharded code on a 1-rank axis; c10d collectives instead of the host channel."""
 
 from __future__ import annotations
+
+import platform
 
 import torch
 import torch.nn as nn
 
 from physics_dp.shard_tensor import Shard, distribute_tensor
-from physics_dp.testing import get_mesh, run_on_ranks, sharded_code_on_size_one_axes
+from physics_dp.testing import collectives_over_c10d, get_mesh, run_on_ranks, sharded_code_on_size_one_axes
 
 
 def _graph_nodes(t: torch.Tensor) -> set[str]:
@@ -42,3 +44,20 @@ def test_a_size_one_axis_runs_the_sharded_code_inside_the_block_only():
     assert "_ChannelNormBackward" in inside_nodes and "NativeGroupNormBackward0" not in inside_nodes
     assert "NativeGroupNormBackward0" in outside_nodes and "_ChannelNormBackward" not in outside_nodes
     assert inside_diff < 1e-5 and outside_diff < 1e-5
+
+
+def _channel_inside_and_outside() -> tuple[bool, bool, float]:
+    from physics_dp.distributed import collectives, host_channel
+
+    group = get_mesh((2,)).get_group(0)
+    with collectives_over_c10d():
+        inside = host_channel.channel_for(group, torch.ones(4), None) is not None
+        inside = inside or host_channel.opened_channel(group, torch.device("cpu"), 16) is not None
+        total = collectives.all_reduce(torch.ones(4), "sum", group)  # through c10d, and right
+    return inside, host_channel.channel_for(group, torch.ones(4), None) is not None, total.sum().item()
+
+
+def test_no_collective_uses_the_host_channel_inside_collectives_over_c10d():
+    for inside, outside, total in run_on_ranks(2, _channel_inside_and_outside):
+        assert not inside and total == 8
+        assert outside == (platform.machine().lower() in ("x86_64", "amd64"))  # the channel's platforms
