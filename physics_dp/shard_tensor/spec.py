@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -66,6 +67,9 @@ class ShardTensorSpec:
         "mesh", "placements", "shape", "stride", "axis_sizes", "has_partial", "local_only", "strided", "_local_shape",
         "_hash", "_contiguous",
     )
+    # A Shard on a size-1 mesh axis holds the whole dim, so ops run the plain op on the slab.  Off only
+    # where tests run the sharded code on one rank (``physics_dp.testing.sharded_code_on_size_one_axes``).
+    size_one_shortcut: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -108,7 +112,9 @@ class ShardTensorSpec:
         """The fields that follow from the others (the last three computed on first use)."""
         self.has_partial = any(p.is_partial() for p in self.placements)
         # every slab holds the global value: ops need no communication (see local_only.py)
-        self.local_only = all(type(p) is Replicate or self.mesh.size(a) == 1 for a, p in enumerate(self.placements))
+        self.local_only = all(
+            type(p) is Replicate or (self.size_one_shortcut and self.mesh.size(a) == 1) for a, p in enumerate(self.placements)
+        )
         self.strided = any(type(p) is StridedShard for p in self.placements)
         self._local_shape: torch.Size | None = None
         self._hash: int | None = None

@@ -16,7 +16,7 @@ import contextlib
 from collections.abc import Iterator
 
 from ..distributed.host_channel import collectives_over_c10d
-from ..shard_tensor import Replicate, ShardTensorSpec
+from ..shard_tensor import ShardTensorSpec
 
 __all__ = ["collectives_over_c10d", "sharded_code_on_size_one_axes"]
 
@@ -26,14 +26,8 @@ def sharded_code_on_size_one_axes() -> Iterator[None]:
     """Within the block, specs made for a Shard placement on a size-1 axis take the sharded path
     (specs made before it keep theirs).  For tests and benchmarks, never for training: the
     shortcut it disables is what makes a 1-rank axis cost nothing."""
-    derive = ShardTensorSpec._derive
-
-    def derive_sharded(spec: ShardTensorSpec) -> None:
-        derive(spec)
-        spec.local_only = all(type(p) is Replicate for p in spec.placements)
-
-    ShardTensorSpec._derive = derive_sharded  # type: ignore[method-assign]
+    previous, ShardTensorSpec.size_one_shortcut = ShardTensorSpec.size_one_shortcut, False
     try:
         yield
     finally:
-        ShardTensorSpec._derive = derive  # type: ignore[method-assign]
+        ShardTensorSpec.size_one_shortcut = previous
