@@ -105,24 +105,32 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
 
 
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
-# bf16/fp16 gradients of the CUDA memory-efficient kernel came out wrong when called with a merged
-# (ring) output on torch 2.11 / H100; those dtypes use the explicit path until that is understood.
-_CUDA_FUSED_DTYPES = (torch.float32,)
+# CUDA: fp32 blocks take the memory-efficient kernel, half-precision blocks the flash kernel.  The
+# memory-efficient kernel's bf16/fp16 gradients came out wrong when fed a ring-merged output
+# (torch 2.11, H100), so half precision never takes it.
+_CUDA_EFFICIENT_DTYPES = (torch.float32,)
+_CUDA_FLASH_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None) -> str | None:
     """Which of torch's fused kernels that report the log-sum-exp fits this block, if any: the CPU
-    flash kernel, or on CUDA the memory-efficient kernel (unmasked blocks only, so its bias
-    alignment rules never matter). Neither materializes the score matrix.  Under
-    ``sdpa_kernel(SDPBackend.MATH)`` (e.g. for a double backward, which the fused CPU kernel lacks)
-    the explicit path runs, as torch's own op would."""
+    flash kernel; on CUDA (unmasked blocks only, so bias alignment rules never matter) the flash
+    kernel for half precision where torch's own checks admit it (GPU generation, head size,
+    strides), else the memory-efficient kernel for fp32.  None materializes the score matrix.
+    Under ``sdpa_kernel(SDPBackend.MATH)`` (e.g. for a double backward, which the fused CPU kernel
+    lacks) the explicit path runs, as torch's own op would."""
     if not (q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[-2] > 0 and k.shape[-2] > 0):
         return None
     if not q.ndim == k.ndim == v.ndim == 4:  # the kernels take (batch, heads, tokens, head dim) only
         return None
     if q.device.type == "cpu" and q.dtype in _FUSED_DTYPES and torch.backends.cuda.flash_sdp_enabled():
         return "cpu"  # unless the user turned the flash kernel off (sdpa_kernel), as torch's CPU dispatch does
-    if q.device.type == "cuda" and q.dtype in _CUDA_FUSED_DTYPES and bias is None:
+    if q.device.type != "cuda" or bias is not None:
+        return None
+    if q.dtype in _CUDA_FLASH_DTYPES and torch.backends.cuda.flash_sdp_enabled():
+        params = torch.backends.cuda.SDPAParams(*_unit_last_stride(q, k, v), None, 0.0, False, False)
+        return "cuda_flash" if torch.backends.cuda.can_use_flash_attention(params) else None
+    if q.dtype in _CUDA_EFFICIENT_DTYPES:
         return "cuda"
     return None
 
@@ -150,6 +158,9 @@ def _block_forward(q, k, v, bias, scale, differentiable_lse: bool = False):
     if kind == "cuda":
         out, lse, _, _ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, False, scale=scale)
         return out, lse[..., : q.shape[-2]]  # the kernel pads the lse rows
+    if kind == "cuda_flash":
+        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)[:2]
+        return out, lse
     scores = _scores(q, k, bias, scale)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - _finite(lse)[..., None])
@@ -189,6 +200,12 @@ def _block_backward(grad_out, q, k, v, out, safe_lse, delta, bias, scale):
             grad_out, q, k, v, None, out, lse.contiguous(), empty, empty, 0.0, [True, True, True, False], False, scale=scale
         )
         return grads[:3]
+    if kind == "cuda_flash":
+        # None stands for the undefined tensors of a dense (not variable-length) call without dropout
+        return aten._scaled_dot_product_flash_attention_backward(
+            grad_out.contiguous(), q, k, v, out.contiguous(), safe_lse[..., 0].float().contiguous(), None, None,
+            q.shape[-2], k.shape[-2], 0.0, False, None, None, scale=scale,
+        )
     # The lse is kept in fp32; probabilities go back to the inputs' dtype for the matmuls.
     probs = torch.exp(_scores(q, k, bias, scale) - safe_lse).to(q.dtype)
     grad_scores = (probs * (torch.matmul(grad_out, v.transpose(-1, -2)) - delta)).to(q.dtype)
@@ -231,7 +248,7 @@ class _RingAttention(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         delta = (grad_out * out).sum(-1, keepdim=True)
         safe_lse = _finite(lse)[..., None]
-        grad_q = torch.zeros_like(q)
+        grad_q = torch.zeros(q.shape, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)  # summed unrounded
         # travelling block: k, v, dk, dv of its owner
         block = torch.cat([k, v, torch.zeros_like(k), torch.zeros_like(v)], dim=-1)
         for step in range(meta.size):
@@ -249,7 +266,7 @@ class _RingAttention(torch.autograd.Function):
             if meta.size > 1:
                 block = _rotate(block, meta, (owner - 1) % meta.size).wait()[(meta.me - 1) % meta.size]
         grad_k, grad_v = block[..., -(e_k + e_v) : -e_v], block[..., -e_v:]
-        return grad_q, grad_k.contiguous(), grad_v.contiguous(), None
+        return grad_q.to(q.dtype), grad_k.contiguous(), grad_v.contiguous(), None
 
 
 def _differentiable_ring_backward(ctx, grad_out: torch.Tensor) -> list[torch.Tensor | None]:
