@@ -128,11 +128,19 @@ def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
     if q.device.type != "cuda" or bias is not None:
         return None
     if q.dtype in _CUDA_FLASH_DTYPES and torch.backends.cuda.flash_sdp_enabled():
-        params = torch.backends.cuda.SDPAParams(*_unit_last_stride(q, k, v), None, 0.0, False, False)
-        return "cuda_flash" if torch.backends.cuda.can_use_flash_attention(params) else None
+        return "cuda_flash" if _flash_admits(*_unit_last_stride(q, k, v)) else None
     if q.dtype in _CUDA_EFFICIENT_DTYPES:
         return "cuda"
     return None
+
+
+def _flash_admits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """torch's own verdict on its CUDA flash kernel for these blocks (GPU generation, head size, strides)."""
+    try:
+        params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False, False)
+    except TypeError:  # torch 2.4: no enable_gqa argument yet
+        params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False)
+    return torch.backends.cuda.can_use_flash_attention(params)
 
 
 def _unit_last_stride(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
