@@ -188,13 +188,14 @@ def test_multihead_attention_module_matches_single_device(mesh_shape, causal):
     run_on_ranks(math.prod(mesh_shape), _mha, mesh_shape, causal)
 
 
-def _bf16_explicit_ring(world: int) -> float:
-    """bf16 with a value head size unlike the key's (no fused kernel): the explicit block path,
-    whose log-sum-exp is kept in fp32, stays within bf16 rounding of one device."""
+def _bf16_ring(world: int, value_dim: int) -> float:
+    """bf16 through the ring: with a value head size unlike the key's (4) the explicit block path,
+    whose log-sum-exp is kept in fp32; with equal sizes (8) the fused CPU kernel per block, the
+    query gradient summed over blocks in fp32.  Both stay within bf16 rounding of one device."""
     mesh = get_mesh((world,), ("domain",))
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(1, 2, 13, 8, generator=gen) for _ in range(2))
-    v = torch.randn(1, 2, 13, 4, generator=gen)
+    v = torch.randn(1, 2, 13, value_dim, generator=gen)
     inputs = [t.to(torch.bfloat16) for t in (q, k, v)]
     report = assert_sharded_matches(
         F.scaled_dot_product_attention, inputs, mesh, [[Shard(2)]] * 3, atol=5e-2, rtol=5e-2
@@ -202,8 +203,9 @@ def _bf16_explicit_ring(world: int) -> float:
     return report.worst if hasattr(report, "worst") else 0.0
 
 
-def test_bf16_explicit_path_matches_single_device():
-    run_on_ranks(2, _bf16_explicit_ring, 2)
+@pytest.mark.parametrize("world, value_dim", [(2, 4), (2, 8), (3, 8)])
+def test_bf16_ring_matches_single_device(world, value_dim):
+    run_on_ranks(world, _bf16_ring, world, value_dim)
 
 
 def _three_dim_tokens(world):
