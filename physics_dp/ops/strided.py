@@ -123,10 +123,6 @@ def _stack(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     return ShardTensor(op([t._local_tensor for t in tensors], dim), out_spec)
 
 
-# memory formats under which a contiguous input gives a contiguous output
-_KEEPS_CONTIGUOUS = (None, torch.preserve_format, torch.contiguous_format)
-
-
 def _same_layout(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     """Copies, detaches, dtype casts and ``*_like`` factories: the slab's layout is the output's."""
     tensor = args[0]
@@ -134,7 +130,7 @@ def _same_layout(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     if spec.has_partial and op not in (aten.detach.default, aten.alias.default):
         return NotImplemented
     local_out = op(tensor._local_tensor, *args[1:], **kwargs)
-    if kwargs.get("memory_format") in _KEEPS_CONTIGUOUS and spec.is_contiguous():
+    if kwargs.get("memory_format") in dispatch.KEEPS_CONTIGUOUS and spec.is_contiguous():
         return ShardTensor(local_out, spec)  # torch's layout rule, without its Python meta call
     meta_kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "pin_memory")}
     meta_out = op(_meta(spec, tensor.dtype), *args[1:], **meta_kwargs)

@@ -200,6 +200,28 @@ def _pointwise_function_fast_path(func: Any, args: tuple, kwargs: dict) -> Any:
 _NEEDS_AUTOGRAD = object()  # the fast path's answer when an input needs the autograd path
 
 
+# memory formats under which a contiguous input gives a contiguous output
+KEEPS_CONTIGUOUS = (None, torch.preserve_format, torch.contiguous_format)
+# ``*_like`` factories that only copy their input's layout (random ones draw per rank: not here)
+_LIKE_FACTORIES = frozenset({torch.ones_like, torch.zeros_like, torch.empty_like})
+_LIKE_FACTORY_KWARGS = frozenset({"dtype", "memory_format", "requires_grad"})
+
+
+def _like_factory_fast_path(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``ones_like(x)`` and friends on one contiguous, non-Partial ShardTensor: the slab's factory
+    wrapped in the input's spec, before the dispatcher (its hand-off to ``__torch_dispatch__``
+    cost more than DTensor's whole op).  Anything else (another device, a strided layout) returns
+    ``NotImplemented`` and takes the aten path."""
+    tensor = args[0] if len(args) == 1 else None
+    if not isinstance(tensor, _ShardTensor) or not _LIKE_FACTORY_KWARGS.issuperset(kwargs):
+        return NotImplemented
+    spec = tensor._spec
+    if spec.has_partial or kwargs.get("memory_format") not in KEEPS_CONTIGUOUS or not spec.is_contiguous():
+        return NotImplemented
+    local = func(tensor._local_tensor, dtype=kwargs.get("dtype"))
+    return _ShardTensor(local, spec, requires_grad=kwargs.get("requires_grad", False))
+
+
 def _replicate_plain_grad_tensors(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Wrap plain tensors requiring grad as replicated ShardTensors on the first ShardTensor's mesh."""
     cls = _ShardTensor
@@ -298,6 +320,10 @@ def _eager_torch_function(func: Any, types: tuple, args: tuple, kwargs: dict) ->
     # Below the handlers, tensor properties (``requires_grad``, ...) must not re-enter this
     # function: each re-entry costs microseconds, a third of a small op's overhead.
     with torch._C.DisableTorchFunctionSubclass():
+        if func in _LIKE_FACTORIES:
+            result = _like_factory_fast_path(func, args, kwargs)
+            if result is not NotImplemented:
+                return result
         if func in _ALL_POINTWISE_FUNCTIONS:
             result = _pointwise_function_fast_path(func, args, kwargs)
             if result is _NEEDS_AUTOGRAD:
