@@ -105,6 +105,28 @@ def _user_handlers():
     return True
 
 
+def _like_factories(world):
+    mesh = get_mesh((world,))
+    x = distribute_tensor(global_tensor((7, 5)), mesh, [Shard(0)]).requires_grad_()
+    with count_communication() as log:
+        ones, zeros = torch.ones_like(x), torch.zeros_like(x, dtype=torch.float64)
+        leaf = torch.empty_like(x, requires_grad=True)
+    assert log.calls == 0
+    assert ones._spec is x._spec and zeros._spec is x._spec  # the input's very spec: no planning
+    assert zeros.dtype == torch.float64 and not ones.requires_grad and leaf.requires_grad and leaf.is_leaf
+    torch.testing.assert_close(ones.full_tensor(), torch.ones(7, 5))
+    torch.testing.assert_close(zeros.full_tensor(), torch.zeros(7, 5, dtype=torch.float64))
+    transposed = torch.ones_like(x.t())  # a strided layout takes the aten path, which keeps its strides
+    assert transposed.stride() == x.t().stride() and transposed._spec.placements == x.t()._spec.placements
+    torch.testing.assert_close(transposed.full_tensor(), torch.ones(5, 7))
+    return True
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_like_factories_copy_the_input_layout(world):
+    run_on_ranks(world, _like_factories, world)
+
+
 def test_user_registered_function_and_dispatch_handlers():
     run_on_ranks(3, _user_handlers)
 
