@@ -105,6 +105,10 @@ def _user_handlers():
     return True
 
 
+def test_user_registered_function_and_dispatch_handlers():
+    run_on_ranks(3, _user_handlers)
+
+
 def _like_factories(world):
     mesh = get_mesh((world,))
     x = distribute_tensor(global_tensor((7, 5)), mesh, [Shard(0)]).requires_grad_()
@@ -125,10 +129,6 @@ def _like_factories(world):
 @pytest.mark.parametrize("world", [1, 3])
 def test_like_factories_copy_the_input_layout(world):
     run_on_ranks(world, _like_factories, world)
-
-
-def test_user_registered_function_and_dispatch_handlers():
-    run_on_ranks(3, _user_handlers)
 
 
 def _setitem_and_complex():
