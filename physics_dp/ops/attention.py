@@ -389,10 +389,26 @@ def _strided_ring(q: ShardTensor, k: ShardTensor, v: ShardTensor, scale: float |
     return wrap_local(out, q, (*q.shape[:-1], v.shape[-1]), q._spec.axis_sizes)
 
 
+def _autocast(bound: dict) -> None:
+    """Under autocast, q, k, v and a floating mask in the autocast dtype, as torch's own op casts
+    them (fp32 ones only; fp64 stays): the ring's fused kernels then run in that dtype too.  The
+    handler sees its inputs before autocast's cast, which happens below ``__torch_function__``."""
+    device = bound["query"].device.type
+    if not torch.is_autocast_enabled(device):
+        return
+    dtype = torch.get_autocast_dtype(device)
+    for name in ("query", "key", "value", "attn_mask"):
+        t = bound.get(name)
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype not in (dtype, torch.float64):
+            bound[name] = t.to(dtype)
+
+
 def _sdpa_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     bound = dict(zip(names, args))
     bound.update(kwargs)
+    _autocast(bound)
+    args, kwargs = (), bound
     q, k, v = bound["query"], bound["key"], bound["value"]
     if any(isinstance(t, ShardTensor) and t._spec.strided for t in (q, k, v)):
         ring = (
@@ -408,7 +424,6 @@ def _sdpa_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
         # masks and causality need tokens in global order: a contiguous layout
         q, k, v = (without_strided_dims(t) if isinstance(t, ShardTensor) else t for t in (q, k, v))
         bound.update(query=q, key=k, value=v)
-        args, kwargs = (), bound
     mask, dropout_p = bound.get("attn_mask"), bound.get("dropout_p", 0.0)
     causal, scale, enable_gqa = bound.get("is_causal", False), bound.get("scale"), bound.get("enable_gqa", False)
     q_axes, kv_axes = _token_axes(q), _token_axes(k)

@@ -222,3 +222,28 @@ def _three_dim_tokens(world):
 def test_three_dim_inputs_without_a_head_dim(world):
     """(batch, tokens, dim) inputs, which torch accepts: the fused kernels take 4-D only (it crashed)."""
     run_on_ranks(world, _three_dim_tokens, world)
+
+
+def _under_autocast(world: int) -> bool:
+    mesh = get_mesh((world,), ("domain",))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 13, 8, generator=gen) for _ in range(3))
+    cotangent = torch.randn(1, 2, 13, 8, generator=gen)
+    plain = [t.clone().requires_grad_() for t in (q, k, v)]
+    sharded = [distribute_tensor(t, mesh, [Shard(2)]).requires_grad_() for t in (q, k, v)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = F.scaled_dot_product_attention(*plain)
+        out = F.scaled_dot_product_attention(*sharded)
+    assert out.dtype == expected.dtype == torch.bfloat16  # cast as torch casts, before the ring
+    expected.backward(cotangent.to(torch.bfloat16))
+    out.backward(distribute_tensor(cotangent.to(torch.bfloat16), mesh, out.placements))
+    torch.testing.assert_close(out.full_tensor(), expected, atol=2e-2, rtol=2e-2)
+    for got, want in zip(sharded, plain):
+        assert got.grad.dtype == torch.float32  # the leaves' dtype: the cast is differentiated
+        torch.testing.assert_close(got.grad.full_tensor(), want.grad, atol=3e-2, rtol=3e-2)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_autocast_casts_before_the_ring_as_torch_does(world):
+    run_on_ranks(world, _under_autocast, world)
