@@ -70,3 +70,21 @@ def test_index_select_over_a_sharded_dim_waits_for_the_gpu_once(one_gpu_mesh, wi
             torch.cuda.set_sync_debug_mode(0)
     waits = [str(w.message) for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
     assert len(waits) == 1, waits
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: nn.GroupNorm(2, 8), lambda: nn.BatchNorm2d(8), lambda: nn.InstanceNorm2d(8, affine=True), lambda: nn.LayerNorm([8, 16, 12])],
+    ids=["group", "batch", "instance", "layer"],
+)
+def test_norms_under_autocast_give_torchs_dtype(make, one_gpu_mesh, without_size_one_shortcut) -> None:
+    """A bf16 activation under autocast: torch's CUDA policy runs group and layer norm in fp32 (and
+    returns fp32); the sharded handler, which sees the input above autocast, must do the same."""
+    torch.manual_seed(0)
+    norm = make().cuda()
+    x = torch.randn(2, 8, 16, 12, device="cuda").to(torch.bfloat16)
+    sharded_x = distribute_tensor(x, one_gpu_mesh, [Shard(2)])
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        expected = norm(x)
+        out = norm(sharded_x)
+    assert out.dtype == expected.dtype
+    torch.testing.assert_close(out.full_tensor(), expected, atol=2e-2, rtol=2e-2)
