@@ -33,6 +33,7 @@ from ..shard_tensor import Replicate, Shard, ShardTensor
 from ..shard_tensor.conversions import without_strided_dims
 from ..shard_tensor.dispatch import run_default
 from ..shard_tensor.placements import StridedShard
+from .autocast import lower_precision
 from ._local import ShardedOpError, local_input, sum_grad_over_axes, wrap_local
 from .grad_sums import creating_graph, sum_replicated
 from .halo import gather_window
@@ -389,25 +390,13 @@ def _strided_ring(q: ShardTensor, k: ShardTensor, v: ShardTensor, scale: float |
     return wrap_local(out, q, (*q.shape[:-1], v.shape[-1]), q._spec.axis_sizes)
 
 
-def _autocast(bound: dict) -> None:
-    """Under autocast, q, k, v and a floating mask in the autocast dtype, as torch's own op casts
-    them (fp32 ones only; fp64 stays): the ring's fused kernels then run in that dtype too.  The
-    handler sees its inputs before autocast's cast, which happens below ``__torch_function__``."""
-    device = bound["query"].device.type
-    if not torch.is_autocast_enabled(device):
-        return
-    dtype = torch.get_autocast_dtype(device)
-    for name in ("query", "key", "value", "attn_mask"):
-        t = bound.get(name)
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype not in (dtype, torch.float64):
-            bound[name] = t.to(dtype)
-
-
 def _sdpa_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     bound = dict(zip(names, args))
     bound.update(kwargs)
-    _autocast(bound)
+    # cast as torch's op is under autocast (below this handler), so the ring's kernels run in that dtype
+    casts = lower_precision(bound["query"], bound["key"], bound["value"], bound.get("attn_mask"))
+    bound.update(zip(("query", "key", "value", "attn_mask"), casts))
     args, kwargs = (), bound
     q, k, v = bound["query"], bound["key"], bound["value"]
     if any(isinstance(t, ShardTensor) and t._spec.strided for t in (q, k, v)):

@@ -37,10 +37,11 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
+from .autocast import lower_precision
 from .halo import gather_window, received_rows, start_edge_exchange, uniform_windows, with_extent
 from .grad_sums import creating_graph
 
-__all__ = ["HaloConvGeometry", "HaloStrip", "halo_conv", "autocast_inputs", "differentiated_rerun", "in_input_dtypes"]
+__all__ = ["HaloConvGeometry", "HaloStrip", "halo_conv", "differentiated_rerun", "in_input_dtypes"]
 
 _CONV_BY_DIMS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
@@ -178,7 +179,7 @@ class _HaloConv(torch.autograd.Function):
         conv = _CONV_BY_DIMS[local.ndim - 2]
         dim = geometry.dim
         ctx.dtypes = (local.dtype, weight.dtype, None if bias is None else bias.dtype)
-        local, weight, bias = autocast_inputs(local, weight, bias)  # the backward then sees one dtype
+        local, weight, bias = lower_precision(local, weight, bias)  # the backward then sees one dtype
         pending = _exchange_halos(local, geometry, group)
         y = conv(local, weight, bias, geometry.stride, geometry.padding, geometry.dilation, geometry.groups)
         received = dict(zip((-1, 1), received_rows(pending, group)))
@@ -273,15 +274,6 @@ def in_input_dtypes(ctx, grad_input: torch.Tensor | None, grad_weight: torch.Ten
         None,
         None,
     )
-
-
-def autocast_inputs(local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
-    """Under autocast, the conv's inputs in its compute dtype, as ``F.conv*`` would cast them."""
-    device = local.device.type
-    if not torch.is_autocast_enabled(device):
-        return local, weight, bias
-    dtype = torch.get_autocast_dtype(device)
-    return local.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
 def halo_conv(

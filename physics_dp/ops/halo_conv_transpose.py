@@ -31,7 +31,8 @@ from torch.distributed import ProcessGroup
 
 from .grad_sums import creating_graph
 from .halo import exchange_boundary_rows, gather_window, received_rows, uniform_windows, with_extent
-from .halo_conv import autocast_inputs, differentiated_rerun, in_input_dtypes
+from .autocast import lower_precision
+from .halo_conv import differentiated_rerun, in_input_dtypes
 
 __all__ = ["TransposedHaloGeometry", "eligible_transposed_geometry", "halo_conv_transpose"]
 
@@ -175,7 +176,7 @@ class _HaloConvTranspose(torch.autograd.Function):
         group: ProcessGroup,
     ) -> torch.Tensor:
         ctx.dtypes = (local.dtype, weight.dtype, None if bias is None else bias.dtype)
-        local, weight, bias = autocast_inputs(local, weight, bias)  # the backward then sees one dtype
+        local, weight, bias = lower_precision(local, weight, bias)  # the backward then sees one dtype
         dim, before, after = geometry.dim, geometry.before_window(), geometry.after_window()
         from_prev, from_next = before[0] * geometry.has_prev, after[0] * geometry.has_next
         pending = exchange_boundary_rows(local, dim, group, after[0] * geometry.has_prev, before[0] * geometry.has_next, from_prev, from_next)

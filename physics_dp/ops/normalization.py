@@ -32,9 +32,10 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
-from ..distributed.tracing import is_tracing, outside_trace
+from ..distributed.tracing import is_tracing
 from ..shard_tensor import Replicate, ShardTensor
 from ..shard_tensor.dispatch import run_default
+from .autocast import fp32_where_autocast_does
 from ._local import ShardedOpError, data_axes, groups_spanning, local_input, local_param, sharded_axes, wrap_local, wrap_local_as
 from .grad_sums import SumGradOverGroups, creating_graph, sum_shares
 from .moments import LOW_PRECISION, merge_moments, row_moments, row_parts
@@ -384,31 +385,13 @@ def _prepare(x: ShardTensor, op: str, channel_dim: int | None) -> ShardTensor:
     return x
 
 
+# torch's op on a tiny tensor, asked under autocast whether it runs in fp32 (see .autocast)
 _AUTOCAST_PROBES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "group_norm": lambda t: F.group_norm(t, 1),
     "batch_norm": lambda t: F.batch_norm(t, None, None, training=True),
     "instance_norm": F.instance_norm,
     "layer_norm": lambda t: F.layer_norm(t, (2,)),
 }
-
-
-@functools.lru_cache(maxsize=None)
-def _autocast_runs_in_fp32(op: str, device_type: str, autocast_dtype: torch.dtype, dtype: torch.dtype) -> bool:
-    """Whether torch's autocast runs ``op`` on a ``dtype`` input in fp32 on this device type (CUDA's
-    policy does for group and layer norm; CPU's keeps bf16).  Asked of torch itself once, on a
-    tiny tensor, outside any trace: the policy tables differ between devices and releases."""
-    with outside_trace(), torch.autocast(device_type, dtype=autocast_dtype):
-        return _AUTOCAST_PROBES[op](torch.ones(1, 2, 2, dtype=dtype, device=device_type)).dtype == torch.float32
-
-
-def _as_autocast_hands_it(x: ShardTensor, op: str) -> ShardTensor:
-    """The input as torch's autocast would hand it to ``op``: cast to fp32 where its policy says so,
-    so the output has torch's dtype (the handler runs above autocast, which casts below it)."""
-    device = x.device.type
-    if x.dtype in LOW_PRECISION and torch.is_autocast_enabled(device):
-        if _autocast_runs_in_fp32(op, device, torch.get_autocast_dtype(device), x.dtype):
-            return x.float()
-    return x
 
 
 def _groups_over(x: ShardTensor, dims: Sequence[int]) -> tuple[ProcessGroup, ...]:
@@ -461,7 +444,7 @@ def _group_norm(
 ) -> ShardTensor:
     if input.ndim < 2:
         raise RuntimeError(f"Expected at least 2 dimensions for input tensor but received {input.ndim}")
-    x = _prepare(_as_autocast_hands_it(input, "group_norm"), "group_norm", channel_dim=1)
+    x = _prepare(fp32_where_autocast_does(input, _AUTOCAST_PROBES["group_norm"]), "group_norm", channel_dim=1)
     channels = x.shape[1]
     if channels % num_groups:
         raise RuntimeError(
@@ -486,7 +469,7 @@ def _batch_norm(
     momentum: float = 0.1,
     eps: float = 1e-5,
 ) -> ShardTensor:
-    x = _prepare(_as_autocast_hands_it(input, "batch_norm"), "batch_norm", channel_dim=1)
+    x = _prepare(fp32_where_autocast_does(input, _AUTOCAST_PROBES["batch_norm"]), "batch_norm", channel_dim=1)
     dims = (0, *range(2, x.ndim))
     count = math.prod(x.shape[d] for d in dims)
     if training:
@@ -521,7 +504,7 @@ def _instance_norm(
     momentum: float = 0.1,
     eps: float = 1e-5,
 ) -> ShardTensor:
-    x = _prepare(_as_autocast_hands_it(input, "instance_norm"), "instance_norm", channel_dim=1)
+    x = _prepare(fp32_where_autocast_does(input, _AUTOCAST_PROBES["instance_norm"]), "instance_norm", channel_dim=1)
     dims = tuple(range(2, x.ndim))
     count = math.prod(x.shape[d] for d in dims)
     if use_input_stats:
@@ -568,7 +551,7 @@ def _layer_norm(
             f"Given normalized_shape={list(normalized_shape)}, expected input with shape [*, "
             f"{', '.join(map(str, normalized_shape))}], but got input of size{list(input.shape)}"
         )
-    x = _prepare(_as_autocast_hands_it(input, "layer_norm"), "layer_norm", channel_dim=None)
+    x = _prepare(fp32_where_autocast_does(input, _AUTOCAST_PROBES["layer_norm"]), "layer_norm", channel_dim=None)
     local = local_input(x)
     w, b = local_param(weight, x), local_param(bias, x)
     dims = tuple(range(first, x.ndim))
