@@ -76,6 +76,7 @@ BLOCKS: dict[str, Callable[[], nn.Module]] = {
     "pooling": lambda: nn.Sequential(nn.AvgPool2d(2), nn.MaxPool2d(3, stride=1, padding=1)),
     "interpolation": lambda: _Lambda(lambda x: F.interpolate(x, scale_factor=2, mode="bilinear")),
     "pad_reflect": lambda: _Lambda(lambda x: F.pad(x, (1, 1, 2, 2), mode="reflect")),
+    "pixel_shuffle_and_back": lambda: _Lambda(lambda x: F.pixel_unshuffle(F.pixel_shuffle(x, 2), 2)),
     "fft2": lambda: _Lambda(_fft),
     "reductions": lambda: _Lambda(lambda x: x - x.mean(dim=(2, 3), keepdim=True) + x.amax(dim=2, keepdim=True)),
     "views_and_linear": lambda: nn.Sequential(_Lambda(lambda x: x.permute(0, 2, 3, 1).flatten(1, 2)), nn.Linear(4, 6)),

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from physics_dp.shard_tensor import Replicate, Shard
+from physics_dp.distributed.collectives import count_communication
+from physics_dp.shard_tensor import Replicate, Shard, distribute_tensor
 from physics_dp.testing import get_mesh, run_on_ranks
 from physics_dp.testing.compare import assert_sharded_matches
 
@@ -42,6 +44,7 @@ CASES = {
     "sum_all": (lambda x: (x * x).sum(), [(2, 3, 7, 5)], lambda m: [_shard_h(m)]),
     "einsum_channels": (lambda x, w: torch.einsum("nchw,dc->ndhw", x, w), [(2, 3, 7, 5), (4, 3)], lambda m: [_shard_h(m), None]),
     "where_mask": (lambda x: torch.where(x > 0, x, x * 0.1), [(2, 3, 7, 5)], lambda m: [_shard_h(m)]),
+    "pixel_shuffle_resizes_sharded_dims": (lambda x: F.pixel_shuffle(x, 2), [(1, 8, 7, 5)], lambda m: [_shard_h(m)]),
 }
 
 SIZES = {"balanced": None, "skewed": "skewed"}
@@ -79,3 +82,28 @@ def _run_case(mesh_shape, name, split):
 def test_fallback_op_matches_single_device(mesh_shape, name, split):
     run_on_ranks(world_of(mesh_shape), _run_case, mesh_shape, name, split)
 
+
+
+def _resized_split_without_meeting(mesh_shape, sizes):
+    mesh = get_mesh(mesh_shape)
+    x = _x((2, 8, 14 if sizes else 16, 8))  # every slab an even number of rows
+    found = {}
+    for name, fn in (("shuffle", lambda t: F.pixel_shuffle(t, 2)), ("unshuffle", lambda t: F.pixel_unshuffle(t, 2))):
+        xs = distribute_tensor(x, mesh, _shard_h(mesh), sizes).requires_grad_()
+        with count_communication() as log:
+            y = fn(xs)
+            y.backward(torch.ones_like(y))
+        found[name] = (log.calls, y._spec.axis_sizes, xs._spec.axis_sizes)
+    return found
+
+
+@pytest.mark.parametrize("mesh_shape, sizes", [((3,), {0: [4, 6, 4]}), ((2, 2), None)], ids=str)
+def test_an_op_resizing_a_sharded_dim_sizes_its_output_without_a_meeting(mesh_shape, sizes):
+    """pixel_shuffle scales H's split by 2 and pixel_unshuffle halves it: each rank runs the op on
+    meta slabs of every coordinate (it used to all-gather the output extents, which also failed
+    inside torch.compile)."""
+    for found in run_on_ranks(world_of(mesh_shape), _resized_split_without_meeting, mesh_shape, sizes):
+        for name, factor in (("shuffle", 2), ("unshuffle", 0.5)):
+            calls, out_sizes, in_sizes = found[name]
+            assert calls == 0, (name, calls)
+            assert out_sizes == tuple(tuple(int(n * factor) for n in split) for split in in_sizes), (name, out_sizes)
