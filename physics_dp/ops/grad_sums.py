@@ -32,6 +32,7 @@ import torch
 
 from ..distributed import collectives
 from ..distributed.tracing import is_tracing
+from .moments import LOW_PRECISION
 
 __all__ = [
     "BUCKET_BYTES",
@@ -44,7 +45,6 @@ __all__ = [
 ]
 
 BUCKET_BYTES = 32 * 2**20
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 _immediate_depth = 0
 
@@ -72,7 +72,7 @@ def creating_graph() -> bool:
 
 def sum_over_groups(grad: torch.Tensor, groups: Sequence) -> torch.Tensor:
     """The sum of every rank's ``grad`` over ``groups`` in turn (low precision summed in fp32)."""
-    summed = grad.float() if grad.dtype in _LOW_PRECISION else grad
+    summed = grad.float() if grad.dtype in LOW_PRECISION else grad
     for group in groups:
         summed = collectives.all_reduce(summed, "sum", group)
     return summed.to(grad.dtype)
@@ -85,7 +85,7 @@ class _Stash:
         self.entries: dict[int, tuple[torch.Tensor, tuple, torch.Tensor]] = {}
 
     def add(self, param: torch.Tensor, groups: tuple, share: torch.Tensor) -> None:
-        share = share.float() if share.dtype in _LOW_PRECISION else share
+        share = share.float() if share.dtype in LOW_PRECISION else share
         entry = self.entries.get(id(param))
         self.entries[id(param)] = (param, groups, share if entry is None else entry[2] + share)
 

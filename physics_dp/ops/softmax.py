@@ -24,23 +24,14 @@ import torch
 from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
-from ..shard_tensor import Replicate, Shard, ShardTensor, ShardTensorSpec
-from ..shard_tensor.redistribute import redistribute_local
+from ..shard_tensor import Shard, ShardTensor, ShardTensorSpec
+from ..shard_tensor.redistribute import redistribute_local, without_partials
 from ._local import groups_spanning
+from .moments import LOW_PRECISION
 
 __all__: list[str] = []
 
 aten = torch.ops.aten
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-def _resolved(tensor: ShardTensor) -> ShardTensorSpec:
-    """The tensor's spec with pending reductions applied (a softmax is not linear)."""
-    spec = tensor._spec
-    if not spec.has_partial:
-        return spec
-    placements = [Replicate() if p.is_partial() else p for p in spec.placements]
-    return spec.replace(placements=placements, axis_sizes=spec.axis_sizes)
 
 
 def _slab(tensor: ShardTensor, spec: ShardTensorSpec) -> torch.Tensor:
@@ -78,13 +69,13 @@ def _output(local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
 
 def _forward(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> ShardTensor:
     x, dim, half_to_float = args
-    spec = _resolved(x)
+    spec = without_partials(x._spec)
     dim %= max(x.ndim, 1)
     groups = _groups(spec, dim)
     local = _slab(x, spec)
     if not groups:
         return _output(op(local, dim, half_to_float), spec)
-    work = local.float() if local.dtype in _LOW_PRECISION else local  # as torch's kernels compute
+    work = local.float() if local.dtype in LOW_PRECISION else local  # as torch's kernels compute
     shifted = work - _row_total(work, dim, "max", groups)
     exps = shifted.exp()
     total = _row_total(exps, dim, "sum", groups)
@@ -94,13 +85,13 @@ def _forward(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> ShardTenso
 
 def _backward(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> ShardTensor:
     grad, output, dim, input_dtype = args
-    spec = _resolved(output)
+    spec = without_partials(output._spec)
     dim %= max(output.ndim, 1)
     groups = _groups(spec, dim)
     y, g = _slab(output, spec), _slab(grad, spec)
     if not groups:
         return _output(op(g, y, dim, input_dtype), spec)
-    if y.dtype in _LOW_PRECISION:
+    if y.dtype in LOW_PRECISION:
         y, g = y.float(), g.float()
     if op is aten._log_softmax_backward_data.default:
         dx = g - y.exp() * _row_total(g, dim, "sum", groups)

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from ..distributed import collectives
 from ..distributed.tracing import is_tracing
 from .placements import Partial, Placement, Replicate, Shard, StridedShard, normalize_placements
-from .redistribute import contiguous_layout, grad_target_spec, redistribute_local
+from .redistribute import contiguous_layout, without_partials, redistribute_local
 from .shard_tensor import ShardTensor
 from .spec import ShardTensorSpec, chunk_sizes
 
@@ -153,7 +153,7 @@ def _local_contribution_grad(grad: torch.Tensor, spec: ShardTensorSpec) -> torch
     """A rank's slab gradient from the global-value gradient (the inverse of :func:`_global_value_grad`)."""
     if not isinstance(grad, ShardTensor):
         raise TypeError(f"expected a ShardTensor gradient, got {type(grad).__name__}")
-    local = redistribute_to_spec(grad, grad_target_spec(spec)).to_local()
+    local = redistribute_to_spec(grad, without_partials(spec)).to_local()
     averaged = _avg_axes_size(spec)
     return local / averaged if averaged != 1 else local
 
@@ -163,12 +163,12 @@ def _global_value_grad(local_grad: torch.Tensor, spec: ShardTensorSpec) -> Shard
 
     A slab of a Partial axis is a contribution to the pending reduction: the gradient of a sum
     equals its contribution's, that of an average n times it.  The result is laid out in
-    ``grad_target_spec(spec)`` (Partial axes replicated).
+    ``without_partials(spec)`` (Partial axes replicated).
     """
     averaged = _avg_axes_size(spec)
     local = local_grad if averaged == 1 else local_grad * averaged
     # differentiable (from_local), so a double backward (create_graph=True) sees this step
-    return from_local_with_spec(local, grad_target_spec(spec).replace())
+    return from_local_with_spec(local, without_partials(spec).replace())
 
 
 class _FromLocal(torch.autograd.Function):
@@ -228,7 +228,7 @@ class _Redistribute(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         if not ctx.needs_input_grad[0]:
             return None, None
-        return redistribute_to_spec(grad, grad_target_spec(ctx.src)), None
+        return redistribute_to_spec(grad, without_partials(ctx.src)), None
 
 
 def redistribute_to_spec(tensor: ShardTensor, dst: ShardTensorSpec) -> ShardTensor:
@@ -337,7 +337,7 @@ def distribute_tensor(
 class _KeepGradLayout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: ShardTensor) -> ShardTensor:  # type: ignore[override]
-        ctx.target = grad_target_spec(tensor._spec)
+        ctx.target = without_partials(tensor._spec)
         return ShardTensor(tensor._local_tensor, tensor._spec)
 
     @staticmethod

@@ -17,7 +17,7 @@ from ..distributed import collectives
 from .placements import Partial, Placement, Replicate, Shard, StridedShard, partial_op
 from .spec import ShardTensorSpec
 
-__all__ = ["redistribute_local", "grad_target_spec", "contiguous_layout"]
+__all__ = ["redistribute_local", "without_partials", "contiguous_layout"]
 
 
 def _offsets(sizes: Sequence[int]) -> list[int]:
@@ -202,11 +202,12 @@ def redistribute_local(local: torch.Tensor, src: ShardTensorSpec, dst: ShardTens
     return local if _broadcast(local) and dst.is_contiguous() else local.contiguous()
 
 
-def grad_target_spec(spec: ShardTensorSpec) -> ShardTensorSpec:
-    """The spec a gradient takes for an input of ``spec``: pending reductions become replicated.
+def without_partials(spec: ShardTensorSpec) -> ShardTensorSpec:
+    """``spec`` with its pending reductions applied (``Partial`` axes replicated).
 
-    The gradient of a ``Partial`` tensor is the gradient of its reduced value, which every
-    contributing rank needs in full.
+    The layout a gradient takes for an input of ``spec``: the gradient of a ``Partial`` tensor is
+    the gradient of its reduced value, which every contributing rank needs in full.  Also what an
+    op that is not linear (a softmax) needs of its input.
     """
     if not spec.has_partial:
         return spec
