@@ -29,6 +29,7 @@ __all__ = [
     "data_axes",
     "sum_grad_over_axes",
     "groups_spanning",
+    "groups_over",
     "ShardedOpError",
 ]
 
@@ -62,6 +63,11 @@ def groups_spanning(mesh, axes: tuple[int, ...]) -> list:
     if len(axes) > 1 and len(axes) == mesh.ndim and mesh.size() == dist.get_world_size():
         return [dist.group.WORLD]
     return [mesh.get_group(axis) for axis in axes]
+
+
+def groups_over(tensor: ShardTensor, dims: Sequence[int]) -> tuple:
+    """Process groups spanning the mesh axes that shard any of ``dims`` of ``tensor`` (empty: none do)."""
+    return tuple(groups_spanning(tensor.device_mesh, tuple(axis for axis, dim in sharded_axes(tensor) if dim in dims)))
 
 
 def sum_grad_over_axes(tensor: torch.Tensor, mesh, axes: Sequence[int]) -> torch.Tensor:

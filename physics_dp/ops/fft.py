@@ -143,16 +143,13 @@ def _move_axis_off(
     axis = next(a for a, p in enumerate(spec.placements) if type(p) is Shard and p.dim == dim)
     parts = spec.mesh.size(axis)
     target = _target_dim(spec, parts, done, pending, plan.allowed(pending))
-    placements: list[Placement] = list(spec.placements)
-    sizes = list(spec.axis_sizes)
-    placements[axis] = Replicate() if target is None else Shard(target)
     if target is None:
-        sizes[axis] = None
-    elif source.placements[axis] == Shard(target) and source.shape[target] == spec.shape[target]:
-        sizes[axis] = source.axis_sizes[axis]
+        return redistribute_to_spec(tensor, _with_axis(spec, axis, Replicate(), None))
+    if source.placements[axis] == Shard(target) and source.shape[target] == spec.shape[target]:
+        sizes = source.axis_sizes[axis]
     else:
-        sizes[axis] = balanced_sizes(spec.shape[target], parts)
-    return redistribute_to_spec(tensor, ShardTensorSpec(spec.mesh, placements, spec.shape, sizes))
+        sizes = balanced_sizes(spec.shape[target], parts)
+    return redistribute_to_spec(tensor, _with_axis(spec, axis, Shard(target), sizes))
 
 
 def _move_while_real(
@@ -175,12 +172,18 @@ def _move_while_real(
         if not roomy:
             return None
         target = max(roomy, key=lambda d: spec.shape[d])
-        placements: list[Placement] = list(spec.placements)
-        sizes = list(spec.axis_sizes)
-        placements[axis], sizes[axis] = Shard(target), balanced_sizes(spec.shape[target], parts)
         moved.add(axis)
-        return redistribute_to_spec(tensor, ShardTensorSpec(spec.mesh, placements, spec.shape, sizes))
+        sizes = balanced_sizes(spec.shape[target], parts)
+        return redistribute_to_spec(tensor, _with_axis(spec, axis, Shard(target), sizes))
     return None
+
+
+def _with_axis(spec: ShardTensorSpec, axis: int, placement: Placement, sizes: Sequence[int] | None) -> ShardTensorSpec:
+    """``spec`` with mesh axis ``axis`` moved to ``placement`` with split ``sizes``."""
+    placements: list[Placement] = list(spec.placements)
+    split = list(spec.axis_sizes)
+    placements[axis], split[axis] = placement, sizes
+    return ShardTensorSpec(spec.mesh, placements, spec.shape, split)
 
 
 def _output_spec(source: ShardTensorSpec, shape: Sequence[int]) -> ShardTensorSpec:

@@ -36,7 +36,9 @@ from ..distributed.tracing import is_tracing
 from ..shard_tensor import Replicate, ShardTensor
 from ..shard_tensor.dispatch import run_default
 from .autocast import fp32_where_autocast_does
-from ._local import ShardedOpError, data_axes, groups_spanning, local_input, local_param, sharded_axes, wrap_local, wrap_local_as
+from ._local import (
+    ShardedOpError, data_axes, groups_over, groups_spanning, local_input, local_param, sharded_axes, wrap_local, wrap_local_as,
+)
 from .grad_sums import SumGradOverGroups, creating_graph, sum_shares
 from .moments import LOW_PRECISION, merge_moments, row_moments, row_parts
 
@@ -394,11 +396,6 @@ _AUTOCAST_PROBES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def _groups_over(x: ShardTensor, dims: Sequence[int]) -> tuple[ProcessGroup, ...]:
-    """Process groups spanning the mesh axes that shard any of ``dims`` (one group for the whole job)."""
-    return tuple(groups_spanning(x.device_mesh, tuple(axis for axis, dim in sharded_axes(x) if dim in dims)))
-
-
 def _finish(y: torch.Tensor, x: ShardTensor) -> ShardTensor:
     """Normalization keeps the input's shape, placements and split: a contiguous input's very spec."""
     if x._spec.is_contiguous():
@@ -452,7 +449,7 @@ def _group_norm(
         )
     local = local_input(x)
     spatial = tuple(range(2, x.ndim))
-    if not _groups_over(x, spatial):
+    if not groups_over(x, spatial):
         return _finish(F.group_norm(local, num_groups, local_param(weight, x), local_param(bias, x), eps), x)
     y, _, _ = _channel_norm(x, local, _StatLayout(num_groups, per_sample=True), weight, bias, spatial, eps)
     return _finish(y, x)
@@ -476,7 +473,7 @@ def _batch_norm(
         _verify_values_per_channel(count, "value per channel", x.shape)
     local = local_input(x)
     rm, rv = _local_buffer(running_mean), _local_buffer(running_var)
-    if not training or not _groups_over(x, dims):
+    if not training or not groups_over(x, dims):
         w, b = local_param(weight, x), local_param(bias, x)
         return _finish(F.batch_norm(local, rm, rv, w, b, training, momentum, eps), x)
     layout = _StatLayout(x.shape[1], per_sample=False)
@@ -489,7 +486,7 @@ def _batch_norm(
 def _batch_average(stat: torch.Tensor, x: ShardTensor) -> torch.Tensor:
     """Mean over the global batch of per-instance statistics (batch dim 0 may be sharded)."""
     total = stat.sum(0)
-    for group in _groups_over(x, (0,)):
+    for group in groups_over(x, (0,)):
         total = collectives.all_reduce(total, "sum", group)
     return total / x.shape[0]
 
@@ -512,8 +509,8 @@ def _instance_norm(
     local = local_input(x)
     rm, rv = _local_buffer(running_mean), _local_buffer(running_var)
     tracks_running = rm is not None or rv is not None
-    batch_split = bool(_groups_over(x, (0,)))  # then running statistics average over ranks
-    if not use_input_stats or not (_groups_over(x, dims) or (batch_split and tracks_running)):
+    batch_split = bool(groups_over(x, (0,)))  # then running statistics average over ranks
+    if not use_input_stats or not (groups_over(x, dims) or (batch_split and tracks_running)):
         w, b = local_param(weight, x), local_param(bias, x)
         if not use_input_stats:  # running statistics per channel: batch norm's eval transform, local
             return _finish(F.batch_norm(local, rm, rv, w, b, False, momentum, eps), x)
@@ -555,7 +552,7 @@ def _layer_norm(
     local = local_input(x)
     w, b = local_param(weight, x), local_param(bias, x)
     dims = tuple(range(first, x.ndim))
-    groups = _groups_over(x, dims)
+    groups = groups_over(x, dims)
     if not groups:
         return _finish(F.layer_norm(local, normalized_shape, w, b, eps), x)
     xhat = _NormalizeGlobally.apply(local, dims, groups, eps)

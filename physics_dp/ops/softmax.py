@@ -24,9 +24,9 @@ import torch
 from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
-from ..shard_tensor import Shard, ShardTensor, ShardTensorSpec
+from ..shard_tensor import ShardTensor, ShardTensorSpec
 from ..shard_tensor.redistribute import redistribute_local, without_partials
-from ._local import groups_spanning
+from ._local import groups_over
 from .moments import LOW_PRECISION
 
 __all__: list[str] = []
@@ -39,11 +39,6 @@ def _slab(tensor: ShardTensor, spec: ShardTensorSpec) -> torch.Tensor:
     if tensor._spec == spec:
         return tensor._local_tensor
     return redistribute_local(tensor._local_tensor, tensor._spec, spec)
-
-
-def _groups(spec: ShardTensorSpec, dim: int) -> tuple[ProcessGroup, ...]:
-    axes = tuple(axis for axis, p in enumerate(spec.placements) if type(p) is Shard and p.dim == dim)
-    return tuple(groups_spanning(spec.mesh, axes))
 
 
 def _row_total(value: torch.Tensor, dim: int, reduce_op: str, groups: Sequence[ProcessGroup]) -> torch.Tensor:
@@ -71,7 +66,7 @@ def _forward(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> ShardTenso
     x, dim, half_to_float = args
     spec = without_partials(x._spec)
     dim %= max(x.ndim, 1)
-    groups = _groups(spec, dim)
+    groups = groups_over(x, (dim,))
     local = _slab(x, spec)
     if not groups:
         return _output(op(local, dim, half_to_float), spec)
@@ -87,7 +82,7 @@ def _backward(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> ShardTens
     grad, output, dim, input_dtype = args
     spec = without_partials(output._spec)
     dim %= max(output.ndim, 1)
-    groups = _groups(spec, dim)
+    groups = groups_over(output, (dim,))
     y, g = _slab(output, spec), _slab(grad, spec)
     if not groups:
         return _output(op(g, y, dim, input_dtype), spec)
