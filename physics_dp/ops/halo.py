@@ -39,6 +39,7 @@ __all__ = [
     "plan_window",
     "uniform_windows",
     "gather_window",
+    "scatter_window",
     "halo_exchange",
     "halo_exchange_nd",
     "with_extent",
@@ -410,6 +411,21 @@ def gather_window(
         raise ValueError(f"slab extent {local.shape[dim]} along dim {dim} disagrees with the split {tuple(sizes)}")
     plan = plan_window(tuple(int(s) for s in sizes), tuple((int(lo), int(hi)) for lo, hi in windows), me, mode)
     return _GatherWindow.apply(local, plan, dim, group, value)
+
+
+def scatter_window(
+    window: torch.Tensor, dim: int, sizes: Sequence[int], windows: Sequence[Window], *, group: ProcessGroup | None = None
+) -> torch.Tensor:
+    """The adjoint of :func:`gather_window`: this rank's values for global rows ``windows[me]`` of
+    dim ``dim``, each sent to the rank that owns its row under ``sizes`` and added there; rows
+    beyond ``[0, extent)`` are dropped.  Returns this rank's slab.  Differentiable (its backward
+    is the gather), so ops that spread values over neighbouring rows (``F.fold``) use it forward."""
+    me = dist.get_rank(group) if group is not None else 0
+    lo, hi = windows[me]
+    if window.shape[dim] != hi - lo:
+        raise ValueError(f"window extent {window.shape[dim]} along dim {dim} disagrees with its rows [{lo}, {hi})")
+    plan = plan_window(tuple(int(s) for s in sizes), tuple((int(lo), int(hi)) for lo, hi in windows), me, "constant")
+    return _ScatterWindow.apply(window, plan, dim, group, torch.Size(with_extent(window.shape, dim, sizes[me])))
 
 
 def halo_exchange(

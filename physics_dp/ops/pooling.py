@@ -16,7 +16,9 @@ local op then runs without padding:
   general, since the local adaptive op sees them whole.
 
 :class:`DimSplit`, :func:`gather_inside` (one resampled dim's splits and windows, and the
-gather of all of them) and :func:`run_planewise` are shared with interpolation.
+gather of all of them) and :func:`run_planewise` are shared with interpolation; the stencil
+geometry (:class:`Stencil`, :func:`stencil_splits`, :func:`fill_outside`, :func:`drop_filler`)
+with ``F.unfold`` (``unfold.py``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,10 @@ from ._local import ShardedOpError, local_input, sharded_axes, wrap_local
 from .conv import check_stencil_layout, window_inside, window_outside, conv_output_split, conv_windows
 from .halo import Window, gather_window
 
-__all__ = ["DimSplit", "dim_split", "gather_inside", "output_axis_sizes", "run_planewise"]
+__all__ = [
+    "DimSplit", "Stencil", "dim_split", "drop_filler", "fill_outside", "gather_inside", "output_axis_sizes",
+    "run_planewise", "stencil_splits",
+]
 
 _ARGS = {
     "max": ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices"),
@@ -176,7 +181,7 @@ def _bind_args(names: Sequence[str], args: tuple, kwargs: dict) -> dict[str, Any
 
 # ----- geometry -------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class _Stencil:
+class Stencil:
     """Kernel, stride, padding and dilation of one pooled dim."""
 
     kernel: int
@@ -189,14 +194,14 @@ class _Stencil:
         return self.dilation * (self.kernel - 1) + 1
 
 
-def _stencils(kind: str, bound: dict[str, Any], x: ShardTensor, out_shape: torch.Size, nd: int) -> list[_Stencil | None]:
+def _stencils(kind: str, bound: dict[str, Any], x: ShardTensor, out_shape: torch.Size, nd: int) -> list[Stencil | None]:
     """Each pooled dim's stencil; None for a whole dim of an adaptive pool (the local op adapts it)."""
     if kind in ("max", "avg"):
         kernel = per_dim(bound["kernel_size"], nd)
         stride = per_dim(bound["stride"], nd) if bound["stride"] not in (None, [], ()) else kernel
         dilation = per_dim(bound["dilation"], nd) if kind == "max" else (1,) * nd
-        return [_Stencil(*params) for params in zip(kernel, stride, per_dim(bound["padding"], nd), dilation)]
-    stencils: list[_Stencil | None] = []
+        return [Stencil(*params) for params in zip(kernel, stride, per_dim(bound["padding"], nd), dilation)]
+    stencils: list[Stencil | None] = []
     for dim in range(x.ndim - nd, x.ndim):
         extent, size = x.shape[dim], out_shape[dim]
         if dim_split(x, dim)[0] is None:
@@ -208,11 +213,11 @@ def _stencils(kind: str, bound: dict[str, Any], x: ShardTensor, out_shape: torch
                 "size; it is exact only where the extent is a multiple of the output size (or that dim is not sharded)",
             )
         else:
-            stencils.append(_Stencil(extent // size, extent // size, 0, 1))
+            stencils.append(Stencil(extent // size, extent // size, 0, 1))
     return stencils
 
 
-def _splits(x: ShardTensor, out_shape: torch.Size, stencils: Sequence[_Stencil | None]) -> list[DimSplit]:
+def stencil_splits(x: ShardTensor, out_shape: torch.Size, stencils: Sequence[Stencil | None]) -> list[DimSplit]:
     nd = len(stencils)
     splits = []
     for dim, stencil in zip(range(x.ndim - nd, x.ndim), stencils):
@@ -228,7 +233,7 @@ def _splits(x: ShardTensor, out_shape: torch.Size, stencils: Sequence[_Stencil |
 
 
 # ----- local computation ----------------------------------------------------------------------
-def _fill_outside(local: torch.Tensor, splits: Sequence[DimSplit], stencils: Sequence[_Stencil | None], value: float) -> torch.Tensor:
+def fill_outside(local: torch.Tensor, splits: Sequence[DimSplit], stencils: Sequence[Stencil | None], value: float) -> torch.Tensor:
     """Add the window's rows beyond the grid, filled with ``value``.
 
     A rank without outputs along a dim gets one output's worth of filler rows, so it still runs
@@ -246,7 +251,7 @@ def _fill_outside(local: torch.Tensor, splits: Sequence[DimSplit], stencils: Seq
     return F.pad(local, pads, value=value)
 
 
-def _window_sums(local: torch.Tensor, stencils: Sequence[_Stencil]) -> torch.Tensor:
+def _window_sums(local: torch.Tensor, stencils: Sequence[Stencil]) -> torch.Tensor:
     kernel, stride = tuple(s.kernel for s in stencils), tuple(s.stride for s in stencils)
     if len(stencils) == 1:  # avg_pool1d has no divisor_override
         return F.avg_pool2d(local.unsqueeze(-2), (1, *kernel), (1, *stride), 0, False, True, 1).squeeze(-2)
@@ -254,7 +259,7 @@ def _window_sums(local: torch.Tensor, stencils: Sequence[_Stencil]) -> torch.Ten
     return pool(local, kernel, stride, 0, False, True, 1)
 
 
-def _divisor(splits: Sequence[DimSplit], stencils: Sequence[_Stencil], include_pad: bool, ndim: int) -> torch.Tensor:
+def _divisor(splits: Sequence[DimSplit], stencils: Sequence[Stencil], include_pad: bool, ndim: int) -> torch.Tensor:
     """Torch's divisor for this rank's outputs, from their global positions, as a broadcastable tensor."""
     total = torch.ones((), dtype=torch.int64)
     for split, stencil in zip(splits, stencils):
@@ -294,7 +299,7 @@ def _run_local(kind: str, local: torch.Tensor, splits: Sequence[DimSplit], stenc
     return _ADAPTIVE_AVG[nd](local, sizes)
 
 
-def _drop_filler(t: torch.Tensor, splits: Sequence[DimSplit]) -> torch.Tensor:
+def drop_filler(t: torch.Tensor, splits: Sequence[DimSplit]) -> torch.Tensor:
     """Drop the output a rank without outputs along a dim computed from filler rows."""
     for split in splits:
         if split.count == 0:
@@ -307,17 +312,17 @@ def _pool(func: Any, bound: dict[str, Any]) -> Any:
     x = bound["input"]
     out_shape = single_device_shape(func, bound)
     stencils = _stencils(kind, bound, x, out_shape, nd)
-    splits = _splits(x, out_shape, stencils)
+    splits = stencil_splits(x, out_shape, stencils)
     local = gather_inside(local_input(x), x, splits)
-    local = _fill_outside(local, splits, stencils, -math.inf if "max" in kind else 0.0)
+    local = fill_outside(local, splits, stencils, -math.inf if "max" in kind else 0.0)
     # without padding or overhang, torch's divisor is the kernel's (or the override): its own op on the window
     plain_avg = kind == "avg" and not bound["ceil_mode"] and not any(s.padding for s in stencils)
     if plain_avg:
         out = run_planewise(lambda t: func(*dict(bound, input=t).values()), local, nd)
-        y = _drop_filler(out, splits)
+        y = drop_filler(out, splits)
     else:
         out = run_planewise(lambda t: _run_local(kind, t, splits, stencils), local, nd)
-        y = _drop_filler(out[0] if isinstance(out, tuple) else out, splits)
+        y = drop_filler(out[0] if isinstance(out, tuple) else out, splits)
     if kind == "avg" and not plain_avg:
         override = bound.get("divisor_override")
         y = y / (override or _divisor(splits, stencils, bound["count_include_pad"], y.ndim).to(device=y.device, dtype=y.dtype))
@@ -325,7 +330,7 @@ def _pool(func: Any, bound: dict[str, Any]) -> Any:
     result = wrap_local(y, x, out_shape, axis_sizes)
     if not with_indices:
         return result
-    index = _global_indices(_drop_filler(out[1], splits), splits, [local.shape[split.dim] for split in splits])
+    index = _global_indices(drop_filler(out[1], splits), splits, [local.shape[split.dim] for split in splits])
     return result, wrap_local(index, x, out_shape, axis_sizes)
 
 

@@ -3,7 +3,7 @@ clear error where an op's explicit backward is not itself differentiable (never 
 
 Gradient penalties, as physics-informed losses and WGAN-GP build them, through every op family
 with a halo or global statistics: the conv family (halo fast path, window-gather path,
-transposed), pad, pooling, interpolation, the four norms, attention with sharded keys (ring attention refuses);
+transposed), pad, pooling, interpolation, unfold and fold, the four norms, attention with sharded keys (ring attention refuses);
 input and parameter gradients, on 2 and 3 ranks with uneven splits, and a 2x2 mesh.
 """
 
@@ -43,6 +43,7 @@ TWICE_DIFFERENTIABLE = {
     "fft": lambda x: torch.fft.rfft2(torch.tanh(x)).abs(),
     "fft of a real input": lambda x: torch.fft.fft2(torch.tanh(x)).abs(),
     "softmax": lambda x: torch.softmax(x * x, dim=2),
+    "unfold and fold": lambda x: F.fold(torch.tanh(F.unfold(x * x, 3, padding=1)), x.shape[-2:], 3, padding=1),
 }
 # Explicit backwards that communicate and are not written differentiably: refused.
 ONCE_DIFFERENTIABLE = {

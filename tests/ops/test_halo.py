@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from physics_dp.distributed.collectives import count_communication
-from physics_dp.ops.halo import CONSTANT, gather_window, halo_exchange, halo_exchange_nd, plan_window, uniform_windows
+from physics_dp.ops.halo import (
+    CONSTANT, gather_window, halo_exchange, halo_exchange_nd, plan_window, scatter_window, uniform_windows,
+)
 from physics_dp.shard_tensor import Shard, distribute_tensor
 from physics_dp.testing import get_mesh, run_on_ranks
 from physics_dp.testing.compare import assert_sharded_matches
@@ -309,6 +311,28 @@ def _per_rank_windows_and_local_dims():
 
 def test_gather_window_per_rank_windows_and_whole_dims():
     assert all(run_on_ranks(3, _per_rank_windows_and_local_dims))
+
+
+def _adjoint_products() -> tuple[float, float]:
+    """<gather(x), y> and <x, scatter(y)> on this rank, for windows past neighbours and the edges."""
+    import torch.distributed as dist
+
+    sizes, windows = (2, 5, 3), ((-2, 6), (1, 1), (4, 13))  # an empty window, rows beyond both edges
+    me = dist.get_rank()
+    x = torch.randn(3, sizes[me], 2, generator=torch.Generator().manual_seed(me), dtype=torch.float64)
+    lo, hi = windows[me]
+    y = torch.randn(3, hi - lo, 2, generator=torch.Generator().manual_seed(10 + me), dtype=torch.float64)
+    group = get_mesh((3,)).get_group(0)
+    gathered = gather_window(x, 1, sizes, windows, group=group)
+    scattered = scatter_window(y, 1, sizes, windows, group=group)
+    return float((gathered * y).sum()), float((x * scattered).sum())
+
+
+def test_scatter_window_is_the_adjoint_of_the_gather():
+    """Summed over the ranks, <gather(x), y> = <x, scatter(y)>: each window row's values reach the
+    owner of the row and rows beyond the grid are dropped."""
+    products = run_on_ranks(3, _adjoint_products)
+    assert math.isclose(sum(p[0] for p in products), sum(p[1] for p in products), rel_tol=1e-12)
 
 
 # ----- F.pad on sharded dims (what nn.Conv*d calls for padding_mode != 'zeros') -----------------

@@ -78,6 +78,7 @@ BLOCKS: dict[str, Callable[[], nn.Module]] = {
     "pad_reflect": lambda: _Lambda(lambda x: F.pad(x, (1, 1, 2, 2), mode="reflect")),
     "pixel_shuffle_and_back": lambda: _Lambda(lambda x: F.pixel_unshuffle(F.pixel_shuffle(x, 2), 2)),
     "softmax_over_h": lambda: _Lambda(lambda x: F.softmax(x, 2) + F.log_softmax(x, 2)),
+    "unfold_and_fold": lambda: _Lambda(lambda x: F.fold(F.unfold(x, 3, padding=1) / 9, x.shape[-2:], 3, padding=1)),
     "fft2": lambda: _Lambda(_fft),
     "reductions": lambda: _Lambda(lambda x: x - x.mean(dim=(2, 3), keepdim=True) + x.amax(dim=2, keepdim=True)),
     "views_and_linear": lambda: nn.Sequential(_Lambda(lambda x: x.permute(0, 2, 3, 1).flatten(1, 2)), nn.Linear(4, 6)),

@@ -1,0 +1,155 @@
+"""``F.unfold`` (im2col) and ``F.fold`` (col2im) over sharded spatial dims, without gathering.
+
+Unfold is a stencil like a pool: output position (i, j) holds the input window starting at
+(i * stride - padding, j * stride - padding).  So each rank owns the positions a convolution of
+the same geometry gives it (:func:`.conv.conv_output_split`), gathers the input rows their windows
+read (:func:`.pooling.gather_inside`: a halo exchange, only rows inside the grid travel), fills the
+padding with zeros locally and runs torch's unfold without padding.  It sends what a convolution
+with that kernel sends; the backward sends the halo rows' gradients back to their owners.
+
+The output (N, C * K, Ho * Wo) flattens two pairs of dims.  The rank's result is wrapped as
+(N, C, K, Ho, Wo), sharded like the input, and flattened by the view handlers: a contiguous
+``Shard`` of the last dim where only Ho is split, a ``StridedShard`` (each rank's Ho x Wo block,
+as ``flatten`` of a 2-D decomposition gives) where Wo is.  Without a sharded spatial dim each
+rank unfolds its slab (batch shards; a channel shard stays a shard of C * K).
+
+Fold is unfold's adjoint: it adds each position's window into the grid, and windows overlap
+where stride < kernel.  Its input is viewed back as (N, C, K, Ho, Wo) (a ``Shard`` or the
+``StridedShard`` above becomes shards of Ho and Wo); each rank folds its positions into the rows
+their windows cover (torch's fold without padding), and :func:`.halo.scatter_window` sends each
+row beyond the rank's own to its owner, who adds it: the halo exchange in reverse, as many
+bytes.  A rank owns the rows from the centre of its first position's window on, so a fold of
+an unfold's output gets back the unfold's split wherever the split's boundaries are window
+centres (always at stride 1, and for patches (stride = kernel) cut at whole patches, which then
+send nothing).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..shard_tensor import Replicate, Shard, ShardTensor, ShardTensorSpec
+from ._args import bind, per_dim, single_device_shape
+from ._local import local_input, sharded_axes, wrap_local_as
+from .conv import check_stencil_layout
+from .halo import Window, scatter_window
+from .pooling import Stencil, drop_filler, fill_outside, gather_inside, output_axis_sizes, stencil_splits
+
+__all__: list[str] = []
+
+_NAMES = ("input", "kernel_size", "dilation", "padding", "stride")
+_FOLD_NAMES = ("input", "output_size", "kernel_size", "dilation", "padding", "stride")
+_DEFAULTS = {"dilation": 1, "padding": 0, "stride": 1}
+
+
+def _stencils(bound: dict[str, Any]) -> list[Stencil]:
+    names = ("kernel_size", "stride", "padding", "dilation")
+    return [Stencil(*params) for params in zip(*(per_dim(bound[name], 2) for name in names))]
+
+
+def _positions(extent: int, stencil: Stencil) -> int:
+    """Output positions along a dim of ``extent`` rows (padding included in ``stencil``)."""
+    return (extent + 2 * stencil.padding - stencil.span) // stencil.stride + 1
+
+
+def _unfold_local(local: torch.Tensor, x: ShardTensor, stencils: list[Stencil]) -> tuple[torch.Tensor, list]:
+    """This rank's blocks (…, C * K, ho, wo) and the split of every mesh axis over (…, Ho, Wo)."""
+    kernel = tuple(s.kernel for s in stencils)
+    dilation, stride = tuple(s.dilation for s in stencils), tuple(s.stride for s in stencils)
+    spatial = range(x.ndim - 2, x.ndim)
+    if not any(dim in spatial for _, dim in sharded_axes(x)):
+        cols = F.unfold(local, kernel, dilation, tuple(s.padding for s in stencils), stride)
+        grid = tuple(_positions(local.shape[d], s) for d, s in zip(spatial, stencils))
+        return cols.unflatten(-1, grid), list(x._spec.axis_sizes)
+    out_grid = torch.Size((*x.shape[:-2], *(_positions(x.shape[d], s) for d, s in zip(spatial, stencils))))
+    splits = stencil_splits(x, out_grid, stencils)
+    window = fill_outside(gather_inside(local, x, splits), splits, stencils, 0.0)
+    cols = F.unfold(window, kernel, dilation, 0, stride)
+    grid = tuple((window.shape[d] - s.span) // s.stride + 1 for d, s in zip(spatial, stencils))
+    return drop_filler(cols.unflatten(-1, grid), splits), output_axis_sizes(x, splits)
+
+
+def _unfold(*args: Any, **kwargs: Any) -> ShardTensor:
+    bound = bind(_NAMES, args, kwargs, _DEFAULTS)
+    x = bound["input"]
+    check_stencil_layout("unfold", x, (), None)
+    single_device_shape(F.unfold, bound)  # torch's own checks and errors for the arguments
+    stencils = _stencils(bound)
+    blocks, axis_sizes = _unfold_local(local_input(x), x, stencils)
+    channel = x.ndim - 3  # (N, C, H, W) or unbatched (C, H, W)
+    taps = math.prod(s.kernel for s in stencils)
+    blocks = blocks.unflatten(channel, (blocks.shape[channel] // taps, taps))
+    grid = tuple(_positions(x.shape[d], s) for d, s in zip(range(x.ndim - 2, x.ndim), stencils))
+    placements = [Shard(p.dim + (p.dim > channel)) if type(p) is Shard else p for p in x.placements]
+    spec = ShardTensorSpec(x.device_mesh, placements, (*x.shape[: channel + 1], taps, *grid), axis_sizes)
+    return wrap_local_as(blocks, spec).flatten(channel, channel + 1).flatten(-2)
+
+
+# ----- fold -------------------------------------------------------------------------------------
+def _fold_windows(positions: tuple[int, ...], stencil: Stencil) -> tuple[Window, ...]:
+    """Global rows each rank's positions write (one zero position's rows for a rank with none)."""
+    windows, first = [], 0
+    for count in positions:
+        lo = first * stencil.stride - stencil.padding
+        windows.append((lo, lo + (max(count, 1) - 1) * stencil.stride + stencil.span))
+        first += count
+    return tuple(windows)
+
+
+def _owned_rows(positions: tuple[int, ...], stencil: Stencil, extent: int) -> tuple[int, ...]:
+    """Rows each rank owns: from the centre of its first position's window to the next rank's."""
+    bounds, first = [0], 0
+    for count in positions[:-1]:
+        first += count
+        centre = first * stencil.stride - stencil.padding + (stencil.span - 1) // 2
+        bounds.append(min(max(centre, bounds[-1]), extent))
+    bounds.append(extent)
+    return tuple(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+def _fold(*args: Any, **kwargs: Any) -> ShardTensor:
+    bound = bind(_FOLD_NAMES, args, kwargs, _DEFAULTS)
+    cols = bound["input"]
+    check_stencil_layout("fold", cols, (), None)
+    single_device_shape(F.fold, bound)
+    stencils, extents = _stencils(bound), per_dim(bound["output_size"], 2)
+    taps = math.prod(s.kernel for s in stencils)
+    lead = cols.ndim - 2  # 1 with a batch dim
+    grid = tuple(_positions(e, s) for e, s in zip(extents, stencils))
+    blocks = cols.unflatten(-1, grid).unflatten(lead, (cols.shape[lead] // taps, taps))  # (N, C, K, Ho, Wo)
+    if any(type(p) is Shard and p.dim == lead + 1 for p in blocks.placements):  # C * K split inside a channel
+        blocks = blocks.redistribute(placements=[Replicate() if p == Shard(lead + 1) else p for p in blocks.placements])
+    spec, local = blocks._spec, local_input(blocks)
+    axis_of = {dim - lead - 2: axis for axis, dim in sharded_axes(blocks) if dim >= lead + 2}  # position dim -> mesh axis
+    sizes, pads = list(extents), [0, 0, 0, 0]
+    for i, stencil in enumerate(stencils):
+        if i in axis_of:
+            positions = spec.axis_sizes[axis_of[i]]
+            lo, hi = _fold_windows(positions, stencil)[spec.coordinate()[axis_of[i]]]
+            sizes[i] = hi - lo
+            pads[3 - 2 * i] = int(local.shape[lead + 2 + i] == 0)  # one zero position: every rank runs the same graph
+    local = F.pad(local, pads) if any(pads) else local
+    padding = tuple(0 if i in axis_of else s.padding for i, s in enumerate(stencils))
+    kernel, dilation = tuple(s.kernel for s in stencils), tuple(s.dilation for s in stencils)
+    window = F.fold(local.flatten(lead, lead + 1).flatten(-2), sizes, kernel, dilation, padding, tuple(s.stride for s in stencils))
+    axis_sizes = list(spec.axis_sizes)
+    for i in sorted(axis_of, key=axis_of.get, reverse=True):  # the adjoint of gathering in mesh-axis order
+        axis, positions = axis_of[i], spec.axis_sizes[axis_of[i]]
+        axis_sizes[axis] = _owned_rows(positions, stencils[i], extents[i])
+        group = spec.mesh.get_group(axis)
+        window = scatter_window(window, lead + 1 + i, axis_sizes[axis], _fold_windows(positions, stencils[i]), group=group)
+    placements = [Shard(p.dim - (p.dim > lead)) if type(p) is Shard else p for p in spec.placements]
+    out = ShardTensorSpec(spec.mesh, placements, (*cols.shape[:lead], cols.shape[lead] // taps, *extents), axis_sizes)
+    return wrap_local_as(window, out)
+
+
+def _handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
+    return (_unfold if func is F.unfold else _fold)(*args, **kwargs)
+
+
+for _func in (F.unfold, F.fold):
+    ShardTensor.register_function_handler(_func, _handler)

@@ -1,0 +1,108 @@
+"""``F.unfold`` over sharded spatial dims equals one device, forward and backward, sends only halo
+rows, and keeps the output sharded (DTensor has no rule for ``im2col``: it raised before)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from physics_dp.distributed.collectives import count_communication
+from physics_dp.shard_tensor import Shard, distribute_tensor
+from physics_dp.shard_tensor.placements import StridedShard
+from physics_dp.testing import get_mesh, run_on_ranks
+
+from .test_shape_ops import LAYOUTS, check_family, randn, world_of
+
+FAMILY: dict[str, Callable] = {
+    "unfold(3, padding=1)": lambda x: F.unfold(x, 3, padding=1),
+    "unfold((3, 2), dilation=(1, 2), padding=(1, 0), stride=(2, 1))": lambda x: F.unfold(
+        x, (3, 2), dilation=(1, 2), padding=(1, 0), stride=(2, 1)
+    ),
+    "unfold(2, stride=2), patches": lambda x: F.unfold(x, 2, stride=2),
+    "nn.Unfold(kernel_size=(1, 3), padding=(0, 2)), then a channel mix": lambda x: nn.Unfold((1, 3), padding=(0, 2))(x).sum(1),
+    "unfold of an unbatched (C, H, W) input": lambda x: F.unfold(x[0], (2, 3), padding=(0, 1)),
+}
+
+
+def _check(layout: str) -> list[str]:
+    return check_family(layout, FAMILY)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_unfold_matches_single_device(layout: str) -> None:
+    checked = run_on_ranks(world_of(layout), _check, layout)[0]
+    assert len(checked) == 3 * len(FAMILY)
+
+
+def _traffic_and_layout(mesh_shape: tuple[int, ...], dims: tuple[int, ...]) -> tuple:
+    mesh = get_mesh(mesh_shape)
+    x = distribute_tensor(randn((1, 4, 16, 8)), mesh, [Shard(d) for d in dims]).requires_grad_(True)
+    with count_communication() as forward:
+        y = F.unfold(x, 3, padding=1)
+    with count_communication() as backward:
+        y.backward(torch.ones_like(y))
+    return y.placements, [(r.kind, r.bytes_sent) for r in forward.records], backward.bytes_sent
+
+
+def test_only_halo_rows_travel_and_rows_stay_a_contiguous_shard() -> None:
+    """2 ranks over H: one (1, 4, 1, 8) float32 row to the neighbour (128 bytes) each way."""
+    for placements, forward, backward_bytes in run_on_ranks(2, _traffic_and_layout, (2,), (2,)):
+        assert placements == (Shard(2),)
+        assert sum(nbytes for _, nbytes in forward) == 128, forward
+        assert backward_bytes == 128
+
+
+def test_a_2d_decomposition_gives_each_rank_its_block_of_positions() -> None:
+    """2 x 2 over H and W: the output positions are each rank's (8, 4) block, flattened (StridedShard);
+    a rank sends a row, a column and a corner (4 * (8 + 4 + 1) float32 = 208 bytes)."""
+    for placements, forward, backward_bytes in run_on_ranks(4, _traffic_and_layout, (2, 2), (2, 3)):
+        assert placements == (StridedShard(2, (16, 8), 0), StridedShard(2, (16, 8), 1))
+        assert sum(nbytes for _, nbytes in forward) == 208, forward
+        assert backward_bytes == 208
+
+
+FOLD_FAMILY: dict[str, Callable] = {
+    "fold(unfold(3, padding=1))": lambda x: F.fold(F.unfold(x, 3, padding=1), x.shape[-2:], 3, padding=1),
+    "fold of a dilated, strided unfold": lambda x: F.fold(
+        F.unfold(x, (3, 2), dilation=(1, 2), padding=(1, 0), stride=(2, 1)) * 2,
+        x.shape[-2:], (3, 2), dilation=(1, 2), padding=(1, 0), stride=(2, 1),
+    ),
+    "nn.Fold of patches (stride = kernel) to a smaller grid": lambda x: nn.Fold((6, 4), 2, stride=2)(
+        F.unfold(x, 2, stride=2)[..., :6].exp()
+    ),
+    "fold of an unbatched unfold": lambda x: F.fold(F.unfold(x[0], (2, 3), padding=(0, 1)), x.shape[-2:], (2, 3), padding=(0, 1)),
+}
+
+
+def _check_fold(layout: str) -> list[str]:
+    return check_family(layout, FOLD_FAMILY)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_fold_matches_single_device(layout: str) -> None:
+    checked = run_on_ranks(world_of(layout), _check_fold, layout)[0]
+    assert len(checked) == 3 * len(FOLD_FAMILY)
+
+
+def _fold_traffic(kernel: int, padding: int, stride: int, rows: list[int]) -> tuple:
+    mesh = get_mesh((2,))
+    x = distribute_tensor(randn((1, 4, 16, 8)), mesh, [Shard(2)], {0: rows})
+    cols = F.unfold(x, kernel, padding=padding, stride=stride).requires_grad_(True)
+    with count_communication() as forward:
+        y = F.fold(cols, (16, 8), kernel, padding=padding, stride=stride)
+    with count_communication() as backward:
+        y.backward(torch.ones_like(y))
+    return y._spec == x._spec, forward.bytes_sent, backward.bytes_sent
+
+
+def test_fold_returns_the_unfold_split_and_sends_only_overlapping_rows() -> None:
+    """An overlapping fold (3 x 3, padding 1) sends each neighbour the one row its windows reach
+    into (4 * 8 float32 = 128 bytes), and its backward the same; non-overlapping patches send nothing."""
+    for same_spec, forward, backward in run_on_ranks(2, _fold_traffic, 3, 1, 1, [7, 9]):
+        assert same_spec and (forward, backward) == (128, 128)
+    for same_spec, forward, backward in run_on_ranks(2, _fold_traffic, 2, 0, 2, [8, 8]):
+        assert same_spec and (forward, backward) == (0, 0)
