@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from ..shard_tensor import Replicate, Shard, ShardTensor, ShardTensorSpec
 from ._args import bind, per_dim, single_device_shape
 from ._local import local_input, sharded_axes, wrap_local_as
-from .conv import check_stencil_layout
+from .conv import check_stencil_layout, window_inside
 from .halo import Window, scatter_window
 from .pooling import Stencil, drop_filler, fill_outside, gather_inside, output_axis_sizes, stencil_splits
 
@@ -111,6 +111,23 @@ def _owned_rows(positions: tuple[int, ...], stencil: Stencil, extent: int) -> tu
     return tuple(b - a for a, b in zip(bounds, bounds[1:]))
 
 
+def _fold_locally(
+    local: torch.Tensor, stencils: list[Stencil], extents: tuple[int, ...], windows: dict[int, tuple[Window, ...]], me: dict[int, int]
+) -> torch.Tensor:
+    """Fold this rank's (…, C, K, ho, wo) positions into the rows their windows cover: a sharded
+    dim's window (``windows[i][me[i]]``, padding as rows beyond the grid), a whole dim's grid."""
+    lead = local.ndim - 4
+    sizes, pads = list(extents), [0, 0, 0, 0]
+    for i, dim_windows in windows.items():
+        lo, hi = dim_windows[me[i]]
+        sizes[i] = hi - lo
+        pads[3 - 2 * i] = int(local.shape[lead + 2 + i] == 0)  # one zero position: every rank runs the same graph
+    local = F.pad(local, pads) if any(pads) else local
+    padding = tuple(0 if i in windows else s.padding for i, s in enumerate(stencils))
+    kernel, dilation, stride = (tuple(getattr(s, name) for s in stencils) for name in ("kernel", "dilation", "stride"))
+    return F.fold(local.flatten(lead, lead + 1).flatten(-2), sizes, kernel, dilation, padding, stride)
+
+
 def _fold(*args: Any, **kwargs: Any) -> ShardTensor:
     bound = bind(_FOLD_NAMES, args, kwargs, _DEFAULTS)
     cols = bound["input"]
@@ -123,25 +140,21 @@ def _fold(*args: Any, **kwargs: Any) -> ShardTensor:
     blocks = cols.unflatten(-1, grid).unflatten(lead, (cols.shape[lead] // taps, taps))  # (N, C, K, Ho, Wo)
     if any(type(p) is Shard and p.dim == lead + 1 for p in blocks.placements):  # C * K split inside a channel
         blocks = blocks.redistribute(placements=[Replicate() if p == Shard(lead + 1) else p for p in blocks.placements])
-    spec, local = blocks._spec, local_input(blocks)
+    spec = blocks._spec
     axis_of = {dim - lead - 2: axis for axis, dim in sharded_axes(blocks) if dim >= lead + 2}  # position dim -> mesh axis
-    sizes, pads = list(extents), [0, 0, 0, 0]
-    for i, stencil in enumerate(stencils):
-        if i in axis_of:
-            positions = spec.axis_sizes[axis_of[i]]
-            lo, hi = _fold_windows(positions, stencil)[spec.coordinate()[axis_of[i]]]
-            sizes[i] = hi - lo
-            pads[3 - 2 * i] = int(local.shape[lead + 2 + i] == 0)  # one zero position: every rank runs the same graph
-    local = F.pad(local, pads) if any(pads) else local
-    padding = tuple(0 if i in axis_of else s.padding for i, s in enumerate(stencils))
-    kernel, dilation = tuple(s.kernel for s in stencils), tuple(s.dilation for s in stencils)
-    window = F.fold(local.flatten(lead, lead + 1).flatten(-2), sizes, kernel, dilation, padding, tuple(s.stride for s in stencils))
+    me = {i: spec.coordinate()[axis] for i, axis in axis_of.items()}
+    windows = {i: _fold_windows(spec.axis_sizes[axis], stencils[i]) for i, axis in axis_of.items()}
+    window = _fold_locally(local_input(blocks), stencils, extents, windows, me)
+    inside: dict[int, tuple[Window, ...]] = {}
+    for i, dim_windows in windows.items():  # rows beyond the grid are dropped: drop them first, so no exchange carries them
+        inside[i] = tuple(window_inside(w, extents[i]) for w in dim_windows)
+        (lo, _), (inside_lo, inside_hi) = dim_windows[me[i]], inside[i][me[i]]
+        window = window.narrow(lead + 1 + i, inside_lo - lo, inside_hi - inside_lo)
     axis_sizes = list(spec.axis_sizes)
     for i in sorted(axis_of, key=axis_of.get, reverse=True):  # the adjoint of gathering in mesh-axis order
-        axis, positions = axis_of[i], spec.axis_sizes[axis_of[i]]
-        axis_sizes[axis] = _owned_rows(positions, stencils[i], extents[i])
-        group = spec.mesh.get_group(axis)
-        window = scatter_window(window, lead + 1 + i, axis_sizes[axis], _fold_windows(positions, stencils[i]), group=group)
+        axis = axis_of[i]
+        axis_sizes[axis] = _owned_rows(spec.axis_sizes[axis], stencils[i], extents[i])
+        window = scatter_window(window, lead + 1 + i, axis_sizes[axis], inside[i], group=spec.mesh.get_group(axis))
     placements = [Shard(p.dim - (p.dim > lead)) if type(p) is Shard else p for p in spec.placements]
     out = ShardTensorSpec(spec.mesh, placements, (*cols.shape[:lead], cols.shape[lead] // taps, *extents), axis_sizes)
     return wrap_local_as(window, out)
@@ -151,5 +164,6 @@ def _handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
     return (_unfold if func is F.unfold else _fold)(*args, **kwargs)
 
 
-for _func in (F.unfold, F.fold):
-    ShardTensor.register_function_handler(_func, _handler)
+ShardTensor.register_function_handler(F.unfold, _handler)
+# fold takes unfold's strided positions as they are (converting them to a contiguous layout would gather them)
+ShardTensor.register_function_handler(F.fold, _handler, strided=True)

@@ -88,9 +88,9 @@ def test_fold_matches_single_device(layout: str) -> None:
     assert len(checked) == 3 * len(FOLD_FAMILY)
 
 
-def _fold_traffic(kernel: int, padding: int, stride: int, rows: list[int]) -> tuple:
-    mesh = get_mesh((2,))
-    x = distribute_tensor(randn((1, 4, 16, 8)), mesh, [Shard(2)], {0: rows})
+def _fold_traffic(mesh_shape: tuple[int, ...], dims: tuple[int, ...], sizes: dict, kernel: int, padding: int, stride: int) -> tuple:
+    mesh = get_mesh(mesh_shape)
+    x = distribute_tensor(randn((1, 4, 16, 8)), mesh, [Shard(d) for d in dims], sizes)
     cols = F.unfold(x, kernel, padding=padding, stride=stride).requires_grad_(True)
     with count_communication() as forward:
         y = F.fold(cols, (16, 8), kernel, padding=padding, stride=stride)
@@ -99,10 +99,21 @@ def _fold_traffic(kernel: int, padding: int, stride: int, rows: list[int]) -> tu
     return y._spec == x._spec, forward.bytes_sent, backward.bytes_sent
 
 
-def test_fold_returns_the_unfold_split_and_sends_only_overlapping_rows() -> None:
-    """An overlapping fold (3 x 3, padding 1) sends each neighbour the one row its windows reach
-    into (4 * 8 float32 = 128 bytes), and its backward the same; non-overlapping patches send nothing."""
-    for same_spec, forward, backward in run_on_ranks(2, _fold_traffic, 3, 1, 1, [7, 9]):
-        assert same_spec and (forward, backward) == (128, 128)
-    for same_spec, forward, backward in run_on_ranks(2, _fold_traffic, 2, 0, 2, [8, 8]):
+@pytest.mark.parametrize(
+    "mesh_shape, dims, sizes, expected",
+    [
+        ((2,), (2,), {0: [7, 9]}, 128),  # a (1, 4, 1, 8) row
+        ((2,), (3,), None, 4 * 16 * 4),  # a (1, 4, 16, 1) column: unfold's strided positions, not gathered
+        ((2, 2), (2, 3), None, 4 * (8 + 4 + 1) * 4),  # a row, a column and a corner
+    ],
+    ids=["H, uneven", "W", "2x2"],
+)
+def test_fold_returns_the_unfold_split_and_sends_only_overlapping_rows(mesh_shape, dims, sizes, expected) -> None:
+    """An overlapping fold (3 x 3, padding 1) sends each neighbour the rows its windows reach into,
+    and its backward the same; non-overlapping patches (2 x 2, stride 2) send nothing."""
+    world = 4 if len(mesh_shape) == 2 else 2
+    for same_spec, forward, backward in run_on_ranks(world, _fold_traffic, mesh_shape, dims, sizes, 3, 1, 1):
+        assert same_spec and (forward, backward) == (expected, expected)
+    even = None if sizes is None else {0: [8, 8]}
+    for same_spec, forward, backward in run_on_ranks(world, _fold_traffic, mesh_shape, dims, even, 2, 0, 2):
         assert same_spec and (forward, backward) == (0, 0)
