@@ -182,7 +182,7 @@ def _bind_args(names: Sequence[str], args: tuple, kwargs: dict) -> dict[str, Any
 # ----- geometry -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Stencil:
-    """Kernel, stride, padding and dilation of one pooled dim."""
+    """Kernel, stride, padding and dilation of one pooled (or unfolded) dim."""
 
     kernel: int
     stride: int
@@ -218,6 +218,8 @@ def _stencils(kind: str, bound: dict[str, Any], x: ShardTensor, out_shape: torch
 
 
 def stencil_splits(x: ShardTensor, out_shape: torch.Size, stencils: Sequence[Stencil | None]) -> list[DimSplit]:
+    """Each stencil dim's input split, output split (a convolution's) and every rank's window; a
+    None stencil (an adaptive pool's whole dim) keeps its dim whole."""
     nd = len(stencils)
     splits = []
     for dim, stencil in zip(range(x.ndim - nd, x.ndim), stencils):
