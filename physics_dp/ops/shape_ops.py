@@ -12,8 +12,12 @@
   split.  Replicated inputs are sliced locally.
 
 Backward ops reach dispatch again (``cat`` for split, ``stack`` for unbind, ``slice`` for cat), so
-gradients are exact but come in the layout the forward output implies (e.g. a cat input's
-gradient keeps the split of its piece of the output); the consumer redistributes if needed.
+gradients are exact but come in the layout the forward output implies; the consumer
+redistributes if needed.  Except for ``torch.cat`` along a sharded dim: there each input's
+gradient is moved back into the input's own layout as it leaves the cat, a few rows for a
+slice of the input (manual periodic padding, ``cat([x[-1:], x, x[:1]])``), where the slice's
+gradient would otherwise reach the input's other uses zero-padded to a whole slab in the
+output's split, and move whole.
 
 ``unsqueeze``, ``flatten``/``unflatten`` (``views.py``), ``permute``, ``transpose`` and ``stack``
 keep their splits through the fallback and need no handler here.
@@ -28,6 +32,8 @@ from typing import Any
 import torch
 
 from ..shard_tensor import Placement, Replicate, Shard, ShardTensor, ShardTensorSpec, balanced_sizes
+from ..shard_tensor.conversions import keep_grad_layout
+from ..shard_tensor.dispatch import run_default
 from ..shard_tensor.fallback import propagate_and_run
 from ..shard_tensor.redistribute import redistribute_local
 from ..shard_tensor.spec import contiguous_strides
@@ -254,7 +260,24 @@ def _cat_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     return ShardTensor(local, ShardTensorSpec(mesh, placements, shape, axis_sizes))
 
 
+def _cat_keeping_grad_layouts(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
+    """``torch.cat`` whose inputs take their gradients back in their own layouts when the cat dim is sharded."""
+    tensors = args[0] if args else kwargs.get("tensors")
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis", 0))
+    if torch.is_grad_enabled() and isinstance(tensors, (list, tuple)) and isinstance(dim, int):
+        sharded = [t for t in tensors if isinstance(t, ShardTensor)]
+        if sharded and any(t.requires_grad and Shard(dim % t.ndim) in t.placements for t in sharded if t.ndim):
+            kept = [keep_grad_layout(t) if isinstance(t, ShardTensor) else t for t in tensors]
+            if args:
+                args = (kept, *args[1:])
+            else:
+                kwargs = {**kwargs, "tensors": kept}
+    return run_default(func, args, kwargs)
+
+
 # ----- registration ---------------------------------------------------------------------------------------
+for _func in (torch.cat, torch.concat, torch.concatenate):
+    ShardTensor.register_function_handler(_func, _cat_keeping_grad_layouts)
 for _op in (aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims):
     ShardTensor.register_dispatch_handler(_op, _squeeze_handler)
 for _op in (aten.split.Tensor, aten.split_with_sizes.default):

@@ -134,6 +134,7 @@ CAT_FAMILY: dict[str, Callable] = {
     "cat(x.chunk(2, 3)[::-1], 3)": lambda x: torch.cat(x.chunk(2, 3)[::-1], 3),
     "cat([x, plain], 2)": lambda x: torch.cat([x, torch.ones(2, 3, 2, x.shape[3])], 2),
     "cat([x, x.flip(2)], -2)": lambda x: torch.cat([x, x.flip(2)], -2),
+    "periodic padding by cat([x[:, :, -1:], x, x[:, :, :1]], 2)": lambda x: torch.cat([x[:, :, -1:], x, x[:, :, :1]], 2),
     "stack([x, 2x], 0)": lambda x: torch.stack([x, 2 * x], 0),
     "stack([x, 2x], 2)": lambda x: torch.stack([x, 2 * x], 2),
     "stack([x, 2x], -1)": lambda x: torch.stack([x, 2 * x], -1),
@@ -269,6 +270,22 @@ def _channel_cat_of_alike_split_inputs_is_local() -> None:
         shape_ops.propagate_and_run = original
 
 
+def _cat_gradients_come_back_in_each_input_layout() -> None:
+    """Periodic padding by cat on 2 ranks: each edge slice's gradient row goes home before
+    ``slice_backward`` pads it (one (2, 4, 1, 8) float32 row, 256 bytes, each way) instead of the
+    padded whole slab after; ``x.grad`` keeps x's own split (it was (16, 0) for cat([x, 3x]))."""
+    mesh = get_mesh((2,))
+    x = distribute_tensor(randn((2, 4, 16, 8)), mesh, [Shard(2)]).requires_grad_(True)
+    padded = torch.cat([x[:, :, -1:], x, x[:, :, :1]], 2)
+    with count_communication() as log:
+        padded.backward(torch.ones_like(padded))
+    assert log.bytes_sent == 256, log.records
+    x.grad = None
+    doubled = torch.cat([x, 3 * x], 2)
+    doubled.backward(torch.ones_like(doubled))
+    assert x.grad._spec == x._spec, x.grad._spec
+
+
 def _cat_over_two_axes_raises() -> None:
     mesh = get_mesh((2, 2))
     a = distribute_tensor(randn((2, 3, 4, 4)), mesh, [Shard(2), Replicate()])
@@ -288,6 +305,10 @@ def _single_checks() -> None:
 @pytest.mark.parametrize("check", [_single_checks, _cat_over_two_axes_raises], ids=lambda f: f.__name__)
 def test_layouts_and_traffic(check) -> None:
     run_on_ranks(4, check)
+
+
+def test_cat_gradients_come_back_in_each_input_layout() -> None:
+    run_on_ranks(2, _cat_gradients_come_back_in_each_input_layout)
 
 
 def test_cat_split() -> None:
