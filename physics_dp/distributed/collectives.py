@@ -31,6 +31,7 @@ __all__ = [
     "all_to_all_into",
     "all_to_all_joined",
     "all_reduce",
+    "reduce_op_for",
     "barrier",
     "gather_sizes",
     "broadcast",
@@ -217,14 +218,24 @@ _REDUCE_OPS = {
     "avg": dist.ReduceOp.SUM,  # divided afterwards: AVG is not supported by every backend
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
 }
+_BOOLEAN_REDUCE_OPS = {"sum": "max", "avg": "max", "product": "min"}
+
+
+def reduce_op_for(reduce_op: str, dtype: torch.dtype) -> str:
+    """The reduce op that means ``reduce_op`` for ``dtype``: on booleans a sum is a logical or and a
+    product a logical and, as NCCL computes them and as DTensor's rules for ``any`` / ``all``
+    (``Partial("sum")`` / ``Partial("product")``) assume; gloo and a plain sum would add bytes."""
+    return _BOOLEAN_REDUCE_OPS.get(reduce_op, reduce_op) if dtype is torch.bool else reduce_op
 
 
 def all_reduce(tensor: torch.Tensor, reduce_op: str, group: ProcessGroup) -> torch.Tensor:
-    """Out-of-place all-reduce with reduce op named as in ``Partial`` ("sum", "avg", "max", "min")."""
+    """Out-of-place all-reduce with reduce op named as in ``Partial`` ("sum", "avg", "max", "min", "product")."""
     world = _group_size(group)
     if reduce_op not in _REDUCE_OPS:
         raise ValueError(f"unknown reduce op {reduce_op!r}; expected one of {sorted(_REDUCE_OPS)}")
+    reduce_op = reduce_op_for(reduce_op, tensor.dtype)
     if is_tracing() and world > 1:
         out = funcol.all_reduce(tensor.contiguous(), "sum" if reduce_op == "avg" else reduce_op, group)
         return out / world if reduce_op == "avg" else out

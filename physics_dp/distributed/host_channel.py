@@ -123,7 +123,7 @@ class HostChannel:
 
     # ----- collectives ----------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
-        """A new tensor: the elementwise sum, max or min of ``tensor`` over the group's ranks.
+        """A new tensor: the elementwise sum, product, max or min of ``tensor`` over the group's ranks.
 
         One slot's worth (every small all-reduce: statistics, losses, barriers) is one exchange and
         one reduction, no more tensor ops: each costs microseconds, as much as the exchange itself.
@@ -284,11 +284,13 @@ class HostChannel:
 
 
 def _reduce_rows(rows: torch.Tensor, reduce_op: str, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The sum, max or min over the ranks' rows (dim 0), in their dtype (integers are not widened)."""
+    """The sum, product, max or min over the ranks' rows (dim 0), in their dtype (integers are not widened)."""
     if reduce_op == "max":
         return torch.amax(rows, 0, out=out)
     if reduce_op == "min":
         return torch.amin(rows, 0, out=out)
+    if reduce_op == "product":
+        return torch.prod(rows, 0, dtype=rows.dtype, out=out)
     return torch.sum(rows, 0, dtype=rows.dtype, out=out)
 
 

@@ -21,7 +21,7 @@ import torch.utils._pytree as pytree
 from ..distributed import collectives
 from . import _dtensor_private as private
 from .placements import Partial, Replicate, Shard
-from .redistribute import redistribute_local
+from .redistribute import redistribute_local, without_partials
 from .shard_tensor import ShardTensor
 from .slab_shapes import SlabShapes
 from .spec import ShardTensorSpec, balanced_sizes, chunk_sizes
@@ -215,7 +215,13 @@ def _wrap_outputs(
     if output_spec is None:
         return result
     if isinstance(result, torch.Tensor):
-        return ShardTensor(result, _output_spec(result, output_spec, canonical, op, inputs, slab_shapes, path))
+        spec = _output_spec(result, output_spec, canonical, op, inputs, slab_shapes, path)
+        if result.dtype is torch.bool and spec.has_partial:
+            # a pending logical or / and (any, all): reduced now, since a later op (a cast to float)
+            # would carry it on as a sum or a product of numbers
+            resolved = without_partials(spec)
+            return ShardTensor(redistribute_local(result, spec, resolved), resolved)
+        return ShardTensor(result, spec)
     if isinstance(result, (list, tuple)):
         specs = output_spec if isinstance(output_spec, (list, tuple)) else [output_spec] * len(result)
         wrapped = [

@@ -51,7 +51,7 @@ class StridedShard:
 # the placement types that split a tensor dim over a mesh axis (``type(p) in SHARDING_PLACEMENTS``)
 SHARDING_PLACEMENTS = (Shard, StridedShard)
 
-_PARTIAL_OPS = ("sum", "avg", "max", "min")
+_PARTIAL_OPS = ("sum", "avg", "max", "min", "product")
 
 
 def partial_op(placement: Placement) -> str:

@@ -93,10 +93,13 @@ def _reshard_other_dim(
 
 def _reduce_pieces(pieces: list[torch.Tensor], op: str) -> torch.Tensor:
     stacked = torch.stack(pieces)
+    op = collectives.reduce_op_for(op, stacked.dtype)
     if op == "sum":
         return stacked.sum(0)
     if op == "avg":
         return stacked.mean(0)
+    if op == "product":
+        return stacked.prod(0)
     if op == "max":
         return stacked.amax(0)
     return stacked.amin(0)
@@ -113,8 +116,11 @@ def _partial_to_shard(local: torch.Tensor, op: str, dim: int, dst: Sequence[int]
 
 
 def _replicate_to_partial(local: torch.Tensor, op: str, coord: int) -> torch.Tensor:
+    """One rank keeps the value, the others the reduction's identity (max, min, avg: the value itself)."""
     if op == "sum" and coord != 0:
         return torch.zeros_like(local, memory_format=torch.contiguous_format)
+    if op == "product" and coord != 0:
+        return torch.ones_like(local, memory_format=torch.contiguous_format)
     return local.contiguous()
 
 

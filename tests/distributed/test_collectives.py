@@ -74,3 +74,31 @@ def test_all_gather_rows_stacks_every_rank_in_order_and_owns_its_result(world, c
         assert first == rows
         assert later == [[3 * value for value in row] for row in rows]
         assert records == [("all_gather", 3 * 8 * (world - 1))] * 3
+
+
+def _boolean_and_product_reductions(channel_enabled: bool) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from physics_dp.distributed import collectives, host_channel
+
+    os.environ[host_channel.ENABLE_ENV_VAR] = "1" if channel_enabled else "0"
+    try:
+        group = dist.new_group(list(range(dist.get_world_size())))
+        rank = dist.get_rank()
+        flags = torch.tensor([True, rank == 0, False])
+        return {
+            "or": collectives.all_reduce(flags, "sum", group).tolist(),
+            "and": collectives.all_reduce(flags, "product", group).tolist(),
+            "product": collectives.all_reduce(torch.tensor([2.0, rank + 1.0]), "product", group).tolist(),
+        }
+    finally:
+        del os.environ[host_channel.ENABLE_ENV_VAR]
+
+
+@pytest.mark.parametrize("channel_enabled", [True, False])
+def test_boolean_sums_are_ors_and_products_multiply(channel_enabled):
+    """A sum of booleans is a logical or and a product a logical and (NCCL's meaning, which DTensor's
+    any / all rules assume); gloo alone adds them as bytes (``any`` over 4 ranks gave 4)."""
+    for result in run_on_ranks(3, _boolean_and_product_reductions, channel_enabled):
+        assert result == {"or": [True, True, False], "and": [True, False, False], "product": [8.0, 6.0]}

@@ -69,6 +69,12 @@ FUNCTIONS: dict[str, Callable[[torch.Tensor], object]] = {
     "logsumexp(2)": lambda x: x.logsumexp(2),
     "logsumexp((0, 1, 2, 3), keepdim)": lambda x: torch.logsumexp(x, (0, 1, 2, 3), keepdim=True),
     "logsumexp(1)": lambda x: x.logsumexp(1),
+    "prod(2)": lambda x: x.prod(2),
+    "prod(3, keepdim)": lambda x: torch.prod(x, 3, keepdim=True),
+    "any()": lambda x: (x > 0).any(),
+    "all(2)": lambda x: (x > -1).all(2),
+    "any(3) as float, doubled": lambda x: (x > 1).any(3).float() * 2,
+    "all() as float": lambda x: (x > -2).all().float(),
 }
 INPUTS = {
     "randn": lambda shape: randn(shape),
