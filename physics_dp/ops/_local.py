@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ..shard_tensor import Replicate, Shard, ShardTensor, ShardTensorSpec
 from ..shard_tensor.conversions import from_local_with_spec, to_local
 from ..shard_tensor.dtensor_params import is_dtensor_param, local_replica
+from ..shard_tensor.redistribute import redistribute_local
 from .grad_sums import SumGradOverGroups
 
 __all__ = [
@@ -31,6 +32,8 @@ __all__ = [
     "groups_spanning",
     "groups_over",
     "ShardedOpError",
+    "slab_as",
+    "contiguous_result",
 ]
 
 
@@ -106,3 +109,18 @@ def wrap_local_as(local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
     if spec.local_shape() != local.shape:
         raise RuntimeError(f"local result of shape {tuple(local.shape)} does not match {spec}: a bug in the op handler")
     return from_local_with_spec(local, spec)
+
+
+# ----- aten-level handlers (below autograd): slabs in, ShardTensors out ------------------------
+def slab_as(tensor: ShardTensor, spec: ShardTensorSpec) -> torch.Tensor:
+    """``tensor``'s slab laid out as ``spec`` (a gradient may arrive in another layout, a Partial
+    input is reduced)."""
+    if tensor._spec == spec:
+        return tensor._local_tensor
+    return redistribute_local(tensor._local_tensor, tensor._spec, spec)
+
+
+def contiguous_result(local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
+    """A result of ``spec``'s placements and split, contiguous as torch's own kernels return it,
+    whatever the input's memory layout."""
+    return ShardTensor(local.contiguous(), ShardTensorSpec(spec.mesh, spec.placements, spec.shape, spec.axis_sizes))

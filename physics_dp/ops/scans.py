@@ -38,10 +38,12 @@ from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
 from ..distributed.axis_groups import group_over_axes
-from ..shard_tensor import Shard, ShardTensor, ShardTensorSpec
+from ..shard_tensor import ShardTensor, ShardTensorSpec
 from ..shard_tensor.conversions import from_local_with_spec, redistribute_to_spec, to_local
 from ..shard_tensor.dispatch import run_default
-from ..shard_tensor.redistribute import redistribute_local, without_partials
+from ..shard_tensor.redistribute import without_partials
+from ._local import contiguous_result, slab_as
+from .indexing import axis_sharding
 from .moments import LOW_PRECISION
 
 __all__: list[str] = []
@@ -57,24 +59,10 @@ _COMBINE: dict[torch._ops.OpOverload, Combine] = {
 
 
 # ----- shared pieces -----------------------------------------------------------------------------
-def _slab(tensor: ShardTensor, spec: ShardTensorSpec) -> torch.Tensor:
-    """``tensor``'s slab laid out as ``spec`` (a Partial input is reduced first)."""
-    if tensor._spec == spec:
-        return tensor._local_tensor
-    return redistribute_local(tensor._local_tensor, tensor._spec, spec)
-
-
 def _axis_over(spec: ShardTensorSpec, dim: int) -> int | None:
     """The mesh axis that shards ``dim`` (at most one does), if it spans more than one rank."""
-    for axis, placement in enumerate(spec.placements):
-        if type(placement) is Shard and placement.dim == dim and spec.mesh.size(axis) > 1:
-            return axis
-    return None
-
-
-def _output(local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
-    """A fresh, contiguous result of ``spec``'s split (torch's scans return contiguous tensors too)."""
-    return ShardTensor(local.contiguous(), spec.replace())
+    axis = axis_sharding(spec, dim)
+    return axis if axis is not None and spec.mesh.size(axis) > 1 else None
 
 
 def _last_row(scan: torch.Tensor, dim: int) -> torch.Tensor:
@@ -153,7 +141,7 @@ def _scan(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> ShardTensor:
     x, dim = args
     spec = without_partials(x._spec)
     dim %= max(x.ndim, 1)
-    return _output(_scan_slab(op, _slab(x, spec), dim, kwargs.get("dtype"), spec), spec)
+    return contiguous_result(_scan_slab(op, slab_as(x, spec), dim, kwargs.get("dtype"), spec), spec)
 
 
 # ----- cummax, cummin ----------------------------------------------------------------------------
@@ -191,8 +179,8 @@ def _cum_extreme_slab(op: torch._ops.OpOverload, local: torch.Tensor, dim: int, 
 def _cum_extreme(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[ShardTensor, ShardTensor]:
     x, dim = args
     spec = without_partials(x._spec)
-    values, indices = _cum_extreme_slab(op, _slab(x, spec), dim % max(x.ndim, 1), spec)
-    return _output(values, spec), _output(indices, spec)
+    values, indices = _cum_extreme_slab(op, slab_as(x, spec), dim % max(x.ndim, 1), spec)
+    return contiguous_result(values, spec), contiguous_result(indices, spec)
 
 
 # ----- backward of cumprod, cummax and cummin ----------------------------------------------------------
@@ -352,13 +340,13 @@ def _flip(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> ShardTensor:
     x, dims = args
     spec = without_partials(x._spec)
     dims = sorted({d % max(x.ndim, 1) for d in dims})
-    flipped = op(_slab(x, spec), dims)
+    flipped = op(slab_as(x, spec), dims)
     axes = tuple(a for a in (_axis_over(spec, d) for d in dims) if a is not None)
     if not axes:
-        return _output(flipped, spec)
+        return contiguous_result(flipped, spec)
     axis_sizes = [tuple(reversed(s)) if a in axes else s for a, s in enumerate(spec.axis_sizes)]
     out_spec = ShardTensorSpec(spec.mesh, spec.placements, spec.shape, axis_sizes)
-    return _output(_swap_with_mirror(flipped, spec, out_spec, axes), out_spec)
+    return contiguous_result(_swap_with_mirror(flipped, spec, out_spec, axes), out_spec)
 
 
 def _swap_with_mirror(

@@ -24,21 +24,14 @@ import torch
 from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
-from ..shard_tensor import ShardTensor, ShardTensorSpec
-from ..shard_tensor.redistribute import redistribute_local, without_partials
-from ._local import groups_over
+from ..shard_tensor import ShardTensor
+from ..shard_tensor.redistribute import without_partials
+from ._local import contiguous_result, groups_over, slab_as
 from .moments import LOW_PRECISION
 
 __all__: list[str] = []
 
 aten = torch.ops.aten
-
-
-def _slab(tensor: ShardTensor, spec: ShardTensorSpec) -> torch.Tensor:
-    """``tensor``'s slab laid out as ``spec`` (a gradient may arrive in another layout)."""
-    if tensor._spec == spec:
-        return tensor._local_tensor
-    return redistribute_local(tensor._local_tensor, tensor._spec, spec)
 
 
 def _row_total(value: torch.Tensor, dim: int, reduce_op: str, groups: Sequence[ProcessGroup]) -> torch.Tensor:
@@ -57,25 +50,20 @@ def _row_total(value: torch.Tensor, dim: int, reduce_op: str, groups: Sequence[P
     return total
 
 
-def _output(local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
-    """torch's softmax kernels return contiguous tensors: so does the sharded op, whatever the input's layout."""
-    return ShardTensor(local.contiguous(), ShardTensorSpec(spec.mesh, spec.placements, spec.shape, spec.axis_sizes))
-
-
 def _forward(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> ShardTensor:
     x, dim, half_to_float = args
     spec = without_partials(x._spec)
     dim %= max(x.ndim, 1)
     groups = groups_over(x, (dim,))
-    local = _slab(x, spec)
+    local = slab_as(x, spec)
     if not groups:
-        return _output(op(local, dim, half_to_float), spec)
+        return contiguous_result(op(local, dim, half_to_float), spec)
     work = local.float() if local.dtype in LOW_PRECISION else local  # as torch's kernels compute
     shifted = work - _row_total(work, dim, "max", groups)
     exps = shifted.exp()
     total = _row_total(exps, dim, "sum", groups)
     y = shifted - total.log() if op is aten._log_softmax.default else exps.div_(total)
-    return _output(y.to(torch.float32 if half_to_float else local.dtype), spec)
+    return contiguous_result(y.to(torch.float32 if half_to_float else local.dtype), spec)
 
 
 def _backward(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> ShardTensor:
@@ -83,16 +71,16 @@ def _backward(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> ShardTens
     spec = without_partials(output._spec)
     dim %= max(output.ndim, 1)
     groups = groups_over(output, (dim,))
-    y, g = _slab(output, spec), _slab(grad, spec)
+    y, g = slab_as(output, spec), slab_as(grad, spec)
     if not groups:
-        return _output(op(g, y, dim, input_dtype), spec)
+        return contiguous_result(op(g, y, dim, input_dtype), spec)
     if y.dtype in LOW_PRECISION:
         y, g = y.float(), g.float()
     if op is aten._log_softmax_backward_data.default:
         dx = g - y.exp() * _row_total(g, dim, "sum", groups)
     else:
         dx = y * (g - _row_total(g * y, dim, "sum", groups))
-    return _output(dx.to(input_dtype), spec)
+    return contiguous_result(dx.to(input_dtype), spec)
 
 
 for _op, _handler in (
