@@ -698,9 +698,14 @@ def _is_mask_of(tensor: Any, mask: Any) -> bool:
     )
 
 
+def _is_index_list(entry: Any) -> bool:
+    """A list of non-negative ints (``x[:, :, [1, 9]]``): an index_select (negative ones are left to torch)."""
+    return isinstance(entry, list) and bool(entry) and all(type(i) is int and i >= 0 for i in entry)
+
+
 def _index_dim(key: Any, ndim: int) -> tuple[int, torch.Tensor] | None:
-    """(dim, index) when ``key`` is full slices (and one ``...``) around one 1-D integer tensor."""
-    entries = list(key) if isinstance(key, tuple) else [key]
+    """(dim, index) when ``key`` is full slices (and one ``...``) around one 1-D integer tensor or list."""
+    entries = [torch.tensor(e) if _is_index_list(e) else e for e in (list(key) if isinstance(key, tuple) else [key])]
     ellipses = [i for i, e in enumerate(entries) if e is Ellipsis]
     if len(ellipses) > 1:
         return None

@@ -56,6 +56,7 @@ SELECT_FAMILY: dict[str, Callable] = {
     "x[:, 1]": lambda x: x[:, 1],
     "x[1, :, 4, 1]": lambda x: x[1, :, 4, 1],
     "index_select(2, [0, 5, 2, 2, 6])": lambda x: x.index_select(2, _index([0, 5, 2, 2, 6])),
+    "x[:, :, [4, 0, 4]], a list index": lambda x: x[:, :, [4, 0, 4]] * 2,
     "index_select(2, [6])": lambda x: torch.index_select(x, 2, _index([6])),
     "index_select(3, [4, 0, 1])": lambda x: x.index_select(3, _index([4, 0, 1])),
     "index_select(1, [2, 0])": lambda x: x.index_select(1, _index([2, 0])),
@@ -206,6 +207,16 @@ def _index_select_fetches_needed_rows() -> None:
     assert y._spec.axis_sizes[0] == (2, 2, 2, 2)
 
 
+def _list_index_gradient_keeps_the_split() -> None:
+    """``x[:, :, [1, 6]]`` runs as an index_select: its gradient comes back in x's split, not
+    replicated at the global shape on every rank (the aten index fallback's)."""
+    mesh, placements, _ = sharding("4", "even", (2, 3, 8, 8))
+    x = distribute_tensor(randn((2, 3, 8, 5)), mesh, placements).requires_grad_(True)
+    y = x[:, :, [1, 6]]
+    y.backward(torch.ones_like(y))
+    assert x.grad._spec == x._spec, x.grad._spec
+
+
 def _leading_mask_stays_local() -> None:
     mesh, placements, sizes = sharding("4", "skewed", (1, 1, 11, 5))
     x = distribute_tensor(randn((1, 1, 11, 5)), mesh, placements, sizes)
@@ -228,6 +239,7 @@ TRAFFIC_CHECKS = [
     _roll_sends_only_crossing_rows,
     _select_broadcasts_one_row,
     _index_select_fetches_needed_rows,
+    _list_index_gradient_keeps_the_split,
     _leading_mask_stays_local,
     _unsupported_raises,
 ]
