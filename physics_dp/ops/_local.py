@@ -123,4 +123,4 @@ def slab_as(tensor: ShardTensor, spec: ShardTensorSpec) -> torch.Tensor:
 def contiguous_result(local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
     """A result of ``spec``'s placements and split, contiguous as torch's own kernels return it,
     whatever the input's memory layout."""
-    return ShardTensor(local.contiguous(), ShardTensorSpec(spec.mesh, spec.placements, spec.shape, spec.axis_sizes))
+    return ShardTensor(local.contiguous(), spec.replace())
