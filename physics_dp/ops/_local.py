@@ -14,7 +14,9 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
+from ..distributed import collectives
 from ..shard_tensor import Replicate, Shard, ShardTensor, ShardTensorSpec
 from ..shard_tensor.conversions import from_local_with_spec, to_local
 from ..shard_tensor.dtensor_params import is_dtensor_param, local_replica
@@ -34,6 +36,7 @@ __all__ = [
     "ShardedOpError",
     "slab_as",
     "contiguous_result",
+    "gather_rows",
 ]
 
 
@@ -124,3 +127,16 @@ def contiguous_result(local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor
     """A result of ``spec``'s placements and split, contiguous as torch's own kernels return it,
     whatever the input's memory layout."""
     return ShardTensor(local.contiguous(), spec.replace())
+
+
+def gather_rows(rows: Sequence[torch.Tensor], group: ProcessGroup) -> list[list[torch.Tensor]]:
+    """Every group rank's ``rows`` (equal shapes on all ranks), by group rank: one all-gather, the
+    rows packed as bytes so that values and int64 indices travel together (each piece is copied out,
+    as its bytes need not be aligned for its dtype)."""
+    flat = torch.cat([r.contiguous().reshape(-1).view(torch.uint8) for r in rows])
+    gathered = collectives.all_gather_rows(flat, group)
+    sizes = [r.numel() * r.element_size() for r in rows]
+    return [
+        [piece.clone().view(r.dtype).view(r.shape) for piece, r in zip(torch.split(row, sizes), rows)]
+        for row in gathered
+    ]

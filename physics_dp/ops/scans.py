@@ -19,12 +19,19 @@ Empty shards send a filler row that nobody combines (every rank knows the split)
 scans accumulate in float32 and round once, as torch's kernels do.  Without a sharded scanned or
 flipped dim the op runs on the slab.
 
-Backward: cumsum's formula is ``flip -> cumsum -> flip`` and logcumsumexp's twice ``flip ->
-logcumsumexp -> flip``, all handled here (each flip sends one slab, so a reversed scan costs two slabs
-and a row; they differentiate again).  torch's formulas for cumprod (zero handling through in-place
-scatter and gather along the dim) and cummax / cummin (scatter_add into a global-size zeros tensor)
-would find no rule or replicate, so those take function-level ``autograd.Function``s whose backward
-needs one all-gather of two rows per rank; they refuse a double backward (``once_differentiable``).
+Backward: every scan that needs a gradient runs as a function-level ``autograd.Function``.  cumsum's
+gradient is the reverse (suffix) cumsum of the cotangent ``g``; logcumsumexp's is ``exp(x)`` times the
+reverse cumsum of ``g * exp(-y)``, taken in log space as torch's formula does (reverse logcumsumexps of
+the positive and negative parts of ``g``).  A reverse scan mirrors the forward: each rank scans its slab
+from the end and combines in the total of the ranks after it, the first row of each one's local reverse
+scan: one all-gather of one row per rank for cumsum, of two rows (both parts together) for logcumsumexp.
+torch's own formulas would reverse through ``flip``, a whole slab sent each way.  cumsum differentiates
+any number of times (the reverse cumsum's backward is cumsum).  torch's formulas for cumprod (zero
+handling through in-place scatter and gather along the dim) and cummax / cummin (scatter_add into a
+global-size zeros tensor) would find no rule or replicate; their backward needs one all-gather of two
+rows per rank.  cumprod, logcumsumexp, cummax and cummin refuse a double backward
+(``once_differentiable``).  Calls without a gradient, and ops reached below autograd, take the aten
+handlers.
 """
 
 from __future__ import annotations
@@ -34,7 +41,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch.autograd.function import once_differentiable
-from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
 from ..distributed.axis_groups import group_over_axes
@@ -42,7 +48,7 @@ from ..shard_tensor import ShardTensor, ShardTensorSpec
 from ..shard_tensor.conversions import from_local_with_spec, redistribute_to_spec, to_local
 from ..shard_tensor.dispatch import run_default
 from ..shard_tensor.redistribute import without_partials
-from ._local import contiguous_result, slab_as
+from ._local import contiguous_result, gather_rows, slab_as
 from .indexing import axis_sharding
 from .moments import LOW_PRECISION
 
@@ -73,17 +79,11 @@ def _last_row(scan: torch.Tensor, dim: int) -> torch.Tensor:
     return scan.new_zeros([1 if d == dim else s for d, s in enumerate(scan.shape)])
 
 
-def _gather_rows(rows: Sequence[torch.Tensor], group: ProcessGroup) -> list[list[torch.Tensor]]:
-    """Every group rank's ``rows`` (equal shapes on all ranks), by group rank: one all-gather, the
-    rows packed as bytes so that values and int64 indices travel together (each piece is copied out,
-    as its bytes need not be aligned for its dtype)."""
-    flat = torch.cat([r.contiguous().reshape(-1).view(torch.uint8) for r in rows])
-    gathered = collectives.all_gather_rows(flat, group)
-    sizes = [r.numel() * r.element_size() for r in rows]
-    return [
-        [piece.clone().view(r.dtype).view(r.shape) for piece, r in zip(torch.split(row, sizes), rows)]
-        for row in gathered
-    ]
+def _first_row(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """The first row along ``dim`` (a rank's total in a reverse scan); an empty slab sends a filler nobody uses."""
+    if tensor.shape[dim]:
+        return tensor.narrow(dim, 0, 1)
+    return tensor.new_zeros([1 if d == dim else s for d, s in enumerate(tensor.shape)])
 
 
 def _split_at_me(
@@ -93,7 +93,7 @@ def _split_at_me(
     if not rows[0].numel():  # another dim is empty: so it is on every rank of the group
         return [], []
     group, members = group_over_axes(spec.mesh, (axis,))
-    gathered = _gather_rows(rows, group)
+    gathered = gather_rows(rows, group)
     mine = spec.coordinate()[axis]
     sizes = spec.axis_sizes[axis]
     by_coordinate = {member[axis]: piece for member, piece in zip(members, gathered)}
@@ -105,6 +105,11 @@ def _split_at_me(
 def _predecessors(spec: ShardTensorSpec, axis: int, rows: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     """The rows of the non-empty ranks before this one along ``axis``, in dim order."""
     return _split_at_me(spec, axis, rows)[0]
+
+
+def _successors(spec: ShardTensorSpec, axis: int, rows: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The rows of the non-empty ranks after this one along ``axis``, in dim order."""
+    return _split_at_me(spec, axis, rows)[1]
 
 
 # ----- cumsum, cumprod, logcumsumexp ----------------------------------------------------------------
@@ -135,6 +140,20 @@ def _scan_slab(
         carry = functools.reduce(combine, (rows[0] for rows in preceding))
         scan = combine(carry, scan)
     return scan.to(out_dtype)
+
+
+def _reverse_scan_slab(op: torch._ops.OpOverload, local: torch.Tensor, dim: int, spec: ShardTensorSpec) -> torch.Tensor:
+    """This rank's slab of the global reverse (suffix) scan, in ``local``'s dtype: the local reverse scan
+    with the successors' total combined in.  A rank's total is the first row of its reverse scan.  The
+    flips are local copies; low precision accumulates in float32, as the forward."""
+    work = local.float() if local.dtype in LOW_PRECISION else local
+    scan = op(work.flip(dim), dim).flip(dim)
+    axis = _axis_over(spec, dim)
+    following = _successors(spec, axis, [_first_row(scan, dim)]) if axis is not None else []
+    if following and scan.numel():
+        combine = _COMBINE[op]
+        scan = combine(scan, functools.reduce(combine, (rows[0] for rows in following)))
+    return scan.to(local.dtype)
 
 
 def _scan(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> ShardTensor:
@@ -183,10 +202,82 @@ def _cum_extreme(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[
     return contiguous_result(values, spec), contiguous_result(indices, spec)
 
 
-# ----- backward of cumprod, cummax and cummin ----------------------------------------------------------
-# torch's formulas for these scatter into a global-size zeros tensor (cummax/cummin) or use in-place
-# scatter / gather along the dim (cumprod's zero handling), which would replicate or have no rule.  Their
-# gradients need only one row per rank from the others, so they get their own backward.
+# ----- backward of the scans ----------------------------------------------------------------------------
+# torch's formulas reverse cumsum and logcumsumexp through flips (a slab each way), scatter into a
+# global-size zeros tensor (cummax/cummin) or use in-place scatter / gather along the dim (cumprod's zero
+# handling), which would replicate or have no rule.  Their gradients need only one or two rows per rank
+# from the others, so they get their own backward.
+class _Cumsum(torch.autograd.Function):
+    """cumsum on the slab; backward: the reverse cumsum below, so that it differentiates again."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, local: torch.Tensor, dim: int, dtype: torch.dtype | None, spec: ShardTensorSpec
+    ) -> torch.Tensor:
+        ctx.dim, ctx.input_dtype, ctx.spec = dim, local.dtype, spec
+        return _scan_slab(aten.cumsum.default, local, dim, dtype, spec)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        # torch casts the cotangent to the input's dtype before the reverse scan
+        return _ReverseCumsum.apply(grad.to(ctx.input_dtype), ctx.dim, ctx.spec), None, None, None
+
+
+class _ReverseCumsum(torch.autograd.Function):
+    """The reverse cumsum on the slab (cumsum's gradient): one all-gather of one row per rank.  cumsum is
+    linear, so its backward is the cumsum above, and the pair differentiates any number of times."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, dim: int, spec: ShardTensorSpec) -> torch.Tensor:  # type: ignore[override]
+        ctx.dim, ctx.spec = dim, spec
+        return _reverse_scan_slab(aten.cumsum.default, local, dim, spec)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return _Cumsum.apply(grad, ctx.dim, None, ctx.spec), None, None
+
+
+class _Logcumsumexp(torch.autograd.Function):
+    """logcumsumexp on the slab; backward: one all-gather of two rows per rank (a reverse scan of the
+    cotangent's positive and negative parts)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, local: torch.Tensor, dim: int, dtype: torch.dtype | None, spec: ShardTensorSpec
+    ) -> torch.Tensor:
+        result = _scan_slab(aten.logcumsumexp.default, local, dim, dtype, spec)
+        ctx.save_for_backward(local, result)
+        ctx.dim, ctx.spec = dim, spec
+        return result
+
+    @staticmethod
+    @once_differentiable  # the reverse logcumsumexp's own gradient is not written: refuse a double backward
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        local, result = ctx.saved_tensors
+        return _logcumsumexp_grad(local, result, grad, ctx.dim, ctx.spec), None, None, None
+
+
+def _logcumsumexp_grad(
+    local: torch.Tensor, result: torch.Tensor, grad: torch.Tensor, dim: int, spec: ShardTensorSpec
+) -> torch.Tensor:
+    """The input gradient of a sharded logcumsumexp ``y`` of ``x``.
+
+    ``dx_j = sum_{i >= j} g_i exp(x_j - y_i) = exp(x_j + log sum_{i >= j} exp(log g_i - y_i))``: a reverse
+    logcumsumexp, which never overflows.  A real cotangent's positive and negative parts (the other part's
+    entries at the lowest float, whose exp is 0) are scanned separately, stacked on a new last dim so that
+    one gather carries both rows; a complex cotangent's log carries its phase, as in torch's formula.
+    """
+    x, y, g = (t.float() if t.dtype in LOW_PRECISION else t for t in (local, result, grad))
+    op = aten.logcumsumexp.default
+    if g.is_complex():
+        return (_reverse_scan_slab(op, g.conj().log() - y, dim, spec) + x).exp().conj().to(local.dtype)
+    log_abs = g.abs().log()
+    lowest = torch.finfo(g.dtype).min
+    parts = torch.stack([log_abs.where(g > 0, lowest), log_abs.where(g < 0, lowest)], -1) - y.unsqueeze(-1)
+    positive, negative = (_reverse_scan_slab(op, parts, dim, spec) + x.unsqueeze(-1)).exp().unbind(-1)
+    return (positive - negative).to(local.dtype)
+
+
 class _Cumprod(torch.autograd.Function):
     """cumprod on the slab; backward: one all-gather of two rows per rank (slab product, ``sum g * y``)."""
 
@@ -276,20 +367,13 @@ def _cum_extreme_grad(grad: torch.Tensor, indices: torch.Tensor, dim: int, spec:
     if axis is None:
         return result
     sent = grad.where(~inside, 0).sum(dim, keepdim=True)
-    _, after = _split_at_me(spec, axis, [sent, _first_row(indices, dim)])
+    after = _successors(spec, axis, [sent, _first_row(indices, dim)])
     if after and extent:
         owned = [((rows[1] >= start) & (rows[1] < start + extent), rows) for rows in after]
         targets = torch.cat([(rows[1] - start).clamp(0, extent - 1) for _, rows in owned], dim)
         values = torch.cat([rows[0].where(mine, 0) for mine, rows in owned], dim)
         result.scatter_add_(dim, targets, values)
     return result
-
-
-def _first_row(tensor: torch.Tensor, dim: int) -> torch.Tensor:
-    """The first row along ``dim``; an empty slab sends a filler nobody uses."""
-    if tensor.shape[dim]:
-        return tensor.narrow(dim, 0, 1)
-    return tensor.new_zeros([1 if d == dim else s for d, s in enumerate(tensor.shape)])
 
 
 def _needs_own_backward(x: object, dim: object, kwargs: dict) -> bool:
@@ -304,7 +388,8 @@ def _needs_own_backward(x: object, dim: object, kwargs: dict) -> bool:
 
 
 def _tensor_and_dim(args: tuple, kwargs: dict) -> tuple[object, object]:
-    """``(input, dim)`` of ``torch.cumprod(input, dim)`` or ``input.cumprod(dim)``, given by position or name."""
+    """``(input, dim)`` of ``torch.cumsum(input, dim)`` or ``input.cumsum(dim)`` (or another scan), given by
+    position or name."""
     x = args[0] if args else kwargs.get("input")
     return x, args[1] if len(args) > 1 else kwargs.get("dim")
 
@@ -315,12 +400,17 @@ def _sharded_input(x: ShardTensor, dim: int) -> tuple[torch.Tensor, int, ShardTe
     return to_local(redistribute_to_spec(x, spec)), dim % max(x.ndim, 1), spec
 
 
-def _cumprod_function(func: Callable, types: tuple, args: tuple, kwargs: dict) -> object:
-    x, dim = _tensor_and_dim(args, kwargs)
-    if not _needs_own_backward(x, dim, kwargs):
-        return run_default(func, args, kwargs)
-    local, dim, spec = _sharded_input(x, dim)
-    return from_local_with_spec(_Cumprod.apply(local, dim, kwargs.get("dtype"), spec), spec)
+def _scan_function(scan: type[torch.autograd.Function]) -> Callable[[Callable, tuple, tuple, dict], object]:
+    """The function-level handler that runs ``scan`` (one of the Functions above) on the slab."""
+
+    def handler(func: Callable, types: tuple, args: tuple, kwargs: dict) -> object:
+        x, dim = _tensor_and_dim(args, kwargs)
+        if not _needs_own_backward(x, dim, kwargs):
+            return run_default(func, args, kwargs)
+        local, dim, spec = _sharded_input(x, dim)
+        return from_local_with_spec(scan.apply(local, dim, kwargs.get("dtype"), spec), spec)
+
+    return handler
 
 
 def _cum_extreme_function(func: Callable, types: tuple, args: tuple, kwargs: dict) -> object:
@@ -376,8 +466,12 @@ for _op, _handler in (
 ):
     ShardTensor.register_dispatch_handler(_op, _handler)
 for _func, _function_handler in (
-    (torch.cumprod, _cumprod_function),
-    (torch.Tensor.cumprod, _cumprod_function),
+    (torch.cumsum, _scan_function(_Cumsum)),
+    (torch.Tensor.cumsum, _scan_function(_Cumsum)),
+    (torch.logcumsumexp, _scan_function(_Logcumsumexp)),
+    (torch.Tensor.logcumsumexp, _scan_function(_Logcumsumexp)),
+    (torch.cumprod, _scan_function(_Cumprod)),
+    (torch.Tensor.cumprod, _scan_function(_Cumprod)),
     (torch.cummax, _cum_extreme_function),
     (torch.Tensor.cummax, _cum_extreme_function),
     (torch.cummin, _cum_extreme_function),

@@ -4,6 +4,7 @@ scans send one row per rank, flip one slab to its mirror rank."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import pytest
@@ -90,17 +91,16 @@ def _one_axis_traffic() -> dict:
 def test_on_two_ranks_scans_send_one_row_and_flip_one_slab() -> None:
     """Forward: cumsum / cumprod / logcumsumexp all-gather one 128-byte row; cummax / cummin the row's values
     and int64 indices together (128 + 256 bytes); flip sends its slab to the mirror rank (5 or 11 rows of
-    128 bytes).  Backward: cumprod, cummax and cummin one all-gather of two rows; cumsum is torch's
-    flip -> cumsum -> flip (two slabs and a row), logcumsumexp twice that.  Outputs stay sharded as the
-    input (flip: the split reversed) and input gradients come back in the input's split."""
+    128 bytes).  Backward: cumsum one all-gather of one row (a reverse scan), cumprod, logcumsumexp, cummax
+    and cummin one all-gather of two rows.  Outputs stay sharded as the input (flip: the split reversed)
+    and input gradients come back in the input's split."""
     slab = {0: 5 * 128, 1: 11 * 128}
     for rank, found in enumerate(run_on_ranks(2, _one_axis_traffic)):
         mine, mirror = slab[rank], slab[1 - rank]
-        reversed_scan = [("p2p", mine), ("all_gather", 128), ("p2p", mirror)]
         expected = {
-            "cumsum": ([("all_gather", 128)], reversed_scan),
+            "cumsum": ([("all_gather", 128)], [("all_gather", 128)]),
             "cumprod": ([("all_gather", 128)], [("all_gather", 256)]),
-            "logcumsumexp": ([("all_gather", 128)], reversed_scan * 2),
+            "logcumsumexp": ([("all_gather", 128)], [("all_gather", 256)]),
             "cummax": ([("all_gather", 384)], [("all_gather", 384)]),
             "cummin": ([("all_gather", 384)], [("all_gather", 384)]),
             "flip": ([("p2p", mine)], [("p2p", mirror)]),
@@ -139,6 +139,83 @@ def test_on_a_two_by_two_mesh_a_scan_gathers_rows_along_its_axis_and_flip_swaps_
         assert found["flip(2, 3)"][:2] == (((11, 5), (5, 3)), [("p2p", 4 * rows * columns * 4)])
 
 
+# ----- backward: reverse scans -----------------------------------------------------------------------------
+# (mesh shape, placements of a (1, 4, 16, 8) input, split, scanned dims)
+BACKWARD_LAYOUTS = {
+    "3 ranks, H split [4, 0, 12]": ((3,), [Shard(2)], {0: [4, 0, 12]}, (2, -2)),
+    "2x2, H split [5, 11], W [3, 5]": ((2, 2), [Shard(2), Shard(3)], {0: [5, 11], 1: [3, 5]}, (2, -1)),
+}
+
+
+def _backward_traffic(layout: str) -> dict[str, tuple[int, list, list]]:
+    """Per scan: what all-gathering one float32 row of this rank's slab across the scanned dim costs (its
+    bytes, once per other rank along the dim), what the backward sends, and what a gradient penalty's second
+    backward sends (cumsum only)."""
+    mesh_shape, placements, sizes, dims = BACKWARD_LAYOUTS[layout]
+    x = distribute_tensor(randn((1, 4, 16, 8)), get_mesh(mesh_shape), placements, sizes).requires_grad_(True)
+    found = {}
+    for dim in dims:
+        peers = mesh_shape[placements.index(Shard(dim % 4))] - 1
+        row = 4 * math.prod(s for d, s in enumerate(x._local_tensor.shape) if d != dim % 4) * peers
+        for name in ("cumsum", "logcumsumexp"):
+            y = getattr(x, name)(dim)
+            with count_communication() as backward:
+                torch.autograd.grad(y, x, torch.ones_like(y))
+            double = []
+            if name == "cumsum":
+                (gy,) = torch.autograd.grad((y * y).sum(), x, create_graph=True)
+                with count_communication() as second:
+                    torch.autograd.grad(gy, x, torch.ones_like(gy))
+                double = _records(second)
+            found[f"{name}({dim})"] = (row, _records(backward), double)
+    return found
+
+
+@pytest.mark.parametrize("layout", sorted(BACKWARD_LAYOUTS))
+def test_backward_of_cumsum_and_logcumsumexp_sends_rows_not_slabs(layout: str) -> None:
+    """The backward is a reverse scan: one all-gather of one row per rank for cumsum, of two rows (the
+    cotangent's positive and negative parts) for logcumsumexp; an empty shard sends a filler row.  cumsum's
+    double backward is a reverse scan of a scan: one row per scan, both ways."""
+    for found in run_on_ranks(math.prod(BACKWARD_LAYOUTS[layout][0]), _backward_traffic, layout):
+        for name, (row, backward, double) in found.items():
+            rows = 2 if name.startswith("logcumsumexp") else 1
+            assert backward == [("all_gather", rows * row)], (layout, name, backward)
+            if name.startswith("cumsum"):
+                assert double == [("all_gather", row)] * 2, (layout, name, double)
+
+
+def _penalty_grad(fn: Callable, x: torch.Tensor) -> torch.Tensor:
+    """d/dx of |d(sum fn(x)^2)/dx|^2: a gradient penalty, which differentiates ``fn``'s backward."""
+    (gx,) = torch.autograd.grad(fn(x).square().sum(), x, create_graph=True)
+    gx.square().sum().backward()
+    return x.grad
+
+
+def _double_backward(layout: str) -> bool:
+    mesh_shape, placements, sizes, dims = BACKWARD_LAYOUTS[layout]
+    mesh = get_mesh(mesh_shape)
+    t = randn((1, 4, 16, 8))
+    for dim in dims:
+        for fn in (
+            lambda v, d=dim: torch.tanh(v).cumsum(d),
+            lambda v, d=dim: torch.cumsum(v * v, d, dtype=torch.float64),
+        ):
+            x = distribute_tensor(t, mesh, placements, sizes).requires_grad_(True)
+            want = _penalty_grad(fn, t.clone().requires_grad_(True))
+            torch.testing.assert_close(_penalty_grad(fn, x).full_tensor(), want, rtol=1e-4, atol=1e-4)
+        x = distribute_tensor(t, mesh, placements, sizes).requires_grad_(True)
+        with pytest.raises(RuntimeError, match="differentiate twice"):
+            _penalty_grad(lambda v, d=dim: v.logcumsumexp(d), x)
+    return True
+
+
+@pytest.mark.parametrize("layout", sorted(BACKWARD_LAYOUTS))
+def test_cumsum_differentiates_twice_and_logcumsumexp_refuses(layout: str) -> None:
+    """A gradient penalty through cumsum (with a dtype, on a negative dim too) equals one device's; through
+    logcumsumexp it raises (its backward is ``once_differentiable``) rather than being silently wrong."""
+    assert all(run_on_ranks(math.prod(BACKWARD_LAYOUTS[layout][0]), _double_backward, layout))
+
+
 # ----- torch's exact semantics: ties, NaN, ints, low precision ------------------------------------------
 def _exact_on_three_ranks() -> bool:
     """Values with many ties and NaNs, split [3, 0, 6] (an empty middle shard): values, indices and
@@ -165,23 +242,32 @@ def test_ties_nan_and_integers_follow_torch_exactly() -> None:
     assert all(run_on_ranks(3, _exact_on_three_ranks))
 
 
-def _bfloat16_like_torch() -> bool:
+def _low_precision_like_torch() -> bool:
     mesh = get_mesh((3,))
-    x = randn((2, 3, 7, 5)).bfloat16()
-    for fn in (lambda t: t.cumsum(2), lambda t: t.logcumsumexp(2), lambda t: t.cumprod(2)):
-        assert_sharded_matches(fn, [x], mesh, [[Shard(2)]], sharding_sizes=[{0: [1, 2, 4]}], atol=2e-2, rtol=2e-2)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = randn((2, 3, 7, 5)).to(dtype)
+        for fn in (lambda t: t.cumsum(2), lambda t: t.logcumsumexp(2), lambda t: t.cumprod(2)):
+            sizes = [{0: [1, 2, 4]}]
+            assert_sharded_matches(fn, [x], mesh, [[Shard(2)]], sharding_sizes=sizes, atol=2e-2, rtol=2e-2)
     return True
 
 
-def test_bfloat16_accumulates_in_float32_as_torch_does() -> None:
-    assert all(run_on_ranks(3, _bfloat16_like_torch))
+def test_bfloat16_and_float16_accumulate_in_float32_as_torch_does() -> None:
+    """Forward and backward (the reverse scans too) of low precision scans."""
+    assert all(run_on_ranks(3, _low_precision_like_torch))
 
 
 def _partial_input() -> bool:
     """A pending sum (Partial) is reduced first; output and gradient come back without it."""
     mesh = get_mesh((2, 2))
     t = randn((2, 3, 7, 5))
-    for fn in (lambda v: v.cumsum(2), lambda v: v.cumprod(2), lambda v: v.cummax(2).values, lambda v: v.flip(2)):
+    for fn in (
+        lambda v: v.cumsum(2),
+        lambda v: v.logcumsumexp(2),
+        lambda v: v.cumprod(2),
+        lambda v: v.cummax(2).values,
+        lambda v: v.flip(2),
+    ):
         x = distribute_tensor(t, mesh, [Replicate(), Shard(2)], {1: [2, 5]})
         x = x.redistribute(mesh, [Partial(), Shard(2)]).detach().requires_grad_(True)
         leaf = t.clone().requires_grad_(True)
