@@ -6,8 +6,11 @@
   it cannot see the input's split, so it picks the one nearest to balanced that keeps every
   gradient row in place (a balanced input gets its own split back).
 - ``aten.select`` (``x[..., i]``) on a sharded dim: the owning rank broadcasts the row over the
-  mesh axis; the result is ``Replicate`` on that axis.  Its backward (``select_backward``) goes
-  through the DTensor-rule fallback and stays local.
+  mesh axis; the result is ``Replicate`` on that axis, a view of the slab on the owner.  Its
+  backward (``select_backward``) sees only that replicated gradient and the global size, so the
+  select's autograd node tells it the input's split (hooks set by ``x[..., i]`` / ``select`` at
+  the function level): the gradient is zeros in that split with the row written by its owner,
+  nothing sent, instead of the input's global shape on every rank.
 - ``aten.roll``: each rank receives by point-to-point only the rows of its output that another
   rank holds (the rows that cross rank boundaries), for any shift, negative or past a shard.
 - ``index_select`` / ``gather`` (function level, with their own backward): rows or elements are
@@ -22,6 +25,7 @@ aten-level handlers run below autograd, whose backward ops reach dispatch again.
 from __future__ import annotations
 
 from collections.abc import Sequence
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -227,6 +231,84 @@ def _select_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any
     stride = _meta_stride(spec, lambda t: t.select(dim, index))
     placements = _drop_dim(spec.placements, dim, axis)
     return ShardTensor(row, ShardTensorSpec(spec.mesh, placements, shape, axis_sizes, stride))
+
+
+class _SelectSource(threading.local):
+    """The layout of the input whose select's backward runs next on this thread (set by the
+    select node's pre-hook, taken by the ``select_backward`` it runs)."""
+
+    spec: ShardTensorSpec | None = None
+
+
+_select_source = _SelectSource()
+
+
+def _announce_select_source(row: torch.Tensor, source: ShardTensorSpec) -> None:
+    """Hooks on ``row``'s select node, so that its ``select_backward`` knows the input's split.
+
+    That op sees only the gradient (replicated over the axis that split the selected dim) and the
+    global size: on its own it builds the input's global shape, replicated, on every rank.  The
+    row stays torch's own view, so in-place writes through it reach the slab and autograd sees
+    them as for any view.
+    """
+    def announce(grad_outputs: Any) -> None:
+        _select_source.spec = source
+
+    def withdraw(grad_inputs: Any, grad_outputs: Any) -> None:
+        _select_source.spec = None
+
+    row.grad_fn.register_prehook(announce)
+    row.grad_fn.register_hook(withdraw)
+
+
+def _select_backward_in_source_split(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """A select's gradient in its input's split, when the select's node announced that split: zeros
+    with the row written by its owner, nothing sent.  Other calls take the usual path (which keeps
+    the gradient's own split, replicated over the selected dim)."""
+    grad, input_sizes, dim, index = args
+    source, _select_source.spec = _select_source.spec, None
+    if source is None or not isinstance(grad, ShardTensor) or kwargs or tuple(source.shape) != tuple(input_sizes):
+        return NotImplemented
+    dim %= len(input_sizes)
+    axis = axis_sharding(source, dim)
+    if axis is None or not _is_select_layout(grad._spec, source, dim, axis):
+        return NotImplemented
+    return _row_in_split(grad._local_tensor, source, dim, index % input_sizes[dim], axis)
+
+
+def _is_select_layout(spec: ShardTensorSpec, source: ShardTensorSpec, dim: int, axis: int) -> bool:
+    """Whether ``spec`` is laid out as ``select(dim, i)`` of ``source``, whose ``dim`` ``axis`` splits."""
+    axis_sizes = list(source.axis_sizes)
+    axis_sizes[axis] = None
+    return spec.placements == tuple(_drop_dim(source.placements, dim, axis)) and list(spec.axis_sizes) == axis_sizes
+
+
+def _row_in_split(row: torch.Tensor, source: ShardTensorSpec, dim: int, index: int, axis: int) -> ShardTensor:
+    local = row.new_zeros(source.local_shape())
+    sizes = source.axis_sizes[axis]
+    first = offsets(sizes)[source.coordinate()[axis]]
+    if first <= index < first + local.shape[dim]:
+        local.select(dim, index - first).copy_(row)
+    return ShardTensor(local, source)
+
+
+def sharded_select(tensor: ShardTensor, dim: int, index: int) -> torch.Tensor:
+    """``tensor.select(dim, index)``, whose gradient comes back in ``tensor``'s own split."""
+    row = run_default(torch.Tensor.select, (tensor, dim, index), {})
+    spec = tensor._spec
+    axis = axis_sharding(spec, dim % tensor.ndim)
+    if row.grad_fn is not None and axis is not None and spec.mesh.size(axis) > 1 and not spec.has_partial and not is_tracing():
+        _announce_select_source(row, spec.replace())
+    return row
+
+
+def _select_function_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
+    tensor = args[0] if args else kwargs.get("input")
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    index = args[2] if len(args) > 2 else kwargs.get("index")
+    if not isinstance(tensor, ShardTensor) or type(dim) is not int or type(index) is not int:
+        return run_default(func, args, kwargs)
+    return sharded_select(tensor, dim, index)
 
 
 # ----- moving rows between ranks (roll, cat) --------------------------------------------------------------
@@ -723,14 +805,34 @@ def _index_dim(key: Any, ndim: int) -> tuple[int, torch.Tensor] | None:
     return dim, plain
 
 
+def _int_entries(key: Any, ndim: int) -> list[tuple[int, int]] | None:
+    """(dim, index) of each int when ``key`` is ints and full slices (and one ``...``), e.g. ``x[:, :, 15]``."""
+    entries = list(key) if isinstance(key, tuple) else [key]
+    if entries.count(Ellipsis) > 1 or not all(type(e) is int or e is Ellipsis or (isinstance(e, slice) and e == slice(None)) for e in entries):
+        return None
+    if Ellipsis in entries:
+        at = entries.index(Ellipsis)
+        entries = entries[:at] + [slice(None)] * (ndim - len(entries) + 1) + entries[at + 1 :]
+    if len(entries) > ndim:
+        return None
+    return [(d, e) for d, e in enumerate(entries) if type(e) is int]
+
+
 def _getitem_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
     tensor, key = args
     single = key[0] if isinstance(key, tuple) and len(key) == 1 else key
     if _is_mask_of(tensor, single):
         return sharded_masked_select(tensor, single)
-    found = _index_dim(key, tensor.ndim) if isinstance(tensor, ShardTensor) else None
+    if not isinstance(tensor, ShardTensor):
+        return run_default(func, args, kwargs)
+    found = _index_dim(key, tensor.ndim)
     if found is not None:
         return sharded_index_select(tensor, *found)
+    selects = _int_entries(key, tensor.ndim)
+    if selects and any(axis_sharding(tensor._spec, d) is not None for d, _ in selects):
+        for dim, index in reversed(selects):  # last dim first: the earlier dims keep their numbers
+            tensor = sharded_select(tensor, dim, index)
+        return tensor
     return run_default(func, args, kwargs)
 
 
@@ -746,6 +848,7 @@ def _masked_select_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -
 ShardTensor.register_dispatch_handler(aten.slice.Tensor, _slice_handler)
 ShardTensor.register_dispatch_handler(aten.slice_backward.default, _slice_backward_handler)
 ShardTensor.register_dispatch_handler(aten.select.int, _select_handler)
+ShardTensor.register_dispatch_handler(aten.select_backward.default, _select_backward_in_source_split, first=True)
 ShardTensor.register_dispatch_handler(aten.roll.default, _roll_handler)
 for _func in (torch.index_select, torch.Tensor.index_select):
     ShardTensor.register_function_handler(_func, _index_select_handler)
@@ -754,3 +857,5 @@ for _func in (torch.gather, torch.Tensor.gather):
 for _func in (torch.masked_select, torch.Tensor.masked_select):
     ShardTensor.register_function_handler(_func, _masked_select_handler)
 ShardTensor.register_function_handler(torch.Tensor.__getitem__, _getitem_handler)
+for _func in (torch.select, torch.Tensor.select):
+    ShardTensor.register_function_handler(_func, _select_function_handler)

@@ -49,6 +49,7 @@ _function_handlers: dict[Any, FunctionHandler] = {}
 _strided_functions: set[Any] = set()
 _dispatch_handlers: dict[torch._ops.OpOverload, DispatchHandler] = {}
 _strided_handlers: dict[torch._ops.OpOverload, DispatchHandler] = {}
+_first_handlers: dict[torch._ops.OpOverload, DispatchHandler] = {}
 _ShardTensor: type | None = None
 
 
@@ -71,8 +72,8 @@ def registered_function_handler(func: Any) -> FunctionHandler | None:
     return _function_handlers.get(func)
 
 
-def register_dispatch_handler(op: torch._ops.OpOverload, handler: DispatchHandler) -> None:
-    _dispatch_handlers[op] = handler
+def register_dispatch_handler(op: torch._ops.OpOverload, handler: DispatchHandler, *, first: bool = False) -> None:
+    (_first_handlers if first else _dispatch_handlers)[op] = handler
     _aten_plans.clear()
 
 
@@ -376,7 +377,7 @@ _dispatch_handlers[torch.ops.aten.fill_.Tensor] = _fill_with_scalar_tensor
 
 _NOT_POINTWISE, _POINTWISE, _POINTWISE_INPLACE = 0, 1, 2
 # op -> (registered handler or None, pointwise kind): one lookup per op on the hot path
-_aten_plans: dict[torch._ops.OpOverload, tuple[DispatchHandler | None, int]] = {}
+_aten_plans: dict[torch._ops.OpOverload, tuple[DispatchHandler | None, int, DispatchHandler | None]] = {}
 
 
 def _classify(op: torch._ops.OpOverload) -> int:
@@ -427,8 +428,12 @@ def torch_dispatch(cls: type, op: torch._ops.OpOverload, types: tuple, args: tup
         kwargs = {}
     plan = _aten_plans.get(op)
     if plan is None:
-        plan = _aten_plans[op] = (_dispatch_handlers.get(op), _classify(op))
-    handler, kind = plan
+        plan = _aten_plans[op] = (_dispatch_handlers.get(op), _classify(op), _first_handlers.get(op))
+    handler, kind, first = plan
+    if first is not None:
+        result = first(op, args, kwargs)
+        if result is not NotImplemented:
+            return result
     if handler is None and kind != _NOT_POINTWISE:  # the hottest path first: it is local on any mesh
         result = _pointwise_aten_local(op, args, kwargs, kind)
         if result is not NotImplemented:

@@ -23,7 +23,7 @@ __all__ = ["RETURNS_VIEWS", "local_only_spec", "output_placements", "run_functio
 # to_local/from_local would hide that aliasing from autograd (an in-place update of the result
 # would change the input unseen), so on local-only layouts they take torch's own path, whose
 # aten view ops reach run_aten_on_slabs below autograd, which tracks views.
-RETURNS_VIEWS = frozenset({torch.Tensor.__getitem__})
+RETURNS_VIEWS = frozenset({torch.Tensor.__getitem__, torch.select, torch.Tensor.select})
 
 _ShardTensor: type | None = None
 

@@ -182,9 +182,15 @@ class ShardTensor(torch.Tensor):
         dispatch.register_function_handler(func, handler, strided=strided)
 
     @staticmethod
-    def register_dispatch_handler(op: torch._ops.OpOverload, handler: dispatch.DispatchHandler) -> None:
-        """Route an aten overload to ``handler(op, args, kwargs)`` below autograd."""
-        dispatch.register_dispatch_handler(op, handler)
+    def register_dispatch_handler(op: torch._ops.OpOverload, handler: dispatch.DispatchHandler, *, first: bool = False) -> None:
+        """Route an aten overload to ``handler(op, args, kwargs)`` below autograd.
+
+        ``first=True``: the handler sees every call before any other path (strided inputs, layouts
+        that need no communication, the handler registered without it) and returns
+        ``NotImplemented`` to leave a call to them: for handlers that know a layout the inputs do
+        not show (a select's gradient, told the input's split by its autograd node).
+        """
+        dispatch.register_dispatch_handler(op, handler, first=first)
 
     @staticmethod
     def register_strided_handler(op: torch._ops.OpOverload, handler: dispatch.DispatchHandler) -> None:

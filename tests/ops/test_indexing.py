@@ -48,6 +48,14 @@ SLICE_FAMILY: dict[str, Callable] = {
     "x[:, :, 2:] + x[:, :, :-2]": lambda x: x[:, :, 2:] + x[:, :, :-2],
     "x[:, :, 1:5].reshape": lambda x: x[:, :, 1:5].reshape(2, 3, -1),
 }
+def _doubled_row_in_place(x: torch.Tensor) -> torch.Tensor:
+    """An in-place update through a select view: it must reach the tensor, and autograd sees it."""
+    y = x * 1
+    y[:, :, 2] *= 2
+    y.select(2, -1).mul_(3)
+    return y
+
+
 SELECT_FAMILY: dict[str, Callable] = {
     "x[:, :, 3]": lambda x: x[:, :, 3],
     "x[:, :, -1]": lambda x: x[:, :, -1] * 2,
@@ -55,6 +63,7 @@ SELECT_FAMILY: dict[str, Callable] = {
     "x.select(2, 0)": lambda x: x.select(2, 0),
     "x[:, 1]": lambda x: x[:, 1],
     "x[1, :, 4, 1]": lambda x: x[1, :, 4, 1],
+    "y[:, :, 2] *= 2, y.select(2, -1).mul_(3)": _doubled_row_in_place,
     "index_select(2, [0, 5, 2, 2, 6])": lambda x: x.index_select(2, _index([0, 5, 2, 2, 6])),
     "x[:, :, [4, 0, 4]], a list index": lambda x: x[:, :, [4, 0, 4]] * 2,
     "index_select(2, [6])": lambda x: torch.index_select(x, 2, _index([6])),
@@ -217,6 +226,18 @@ def _list_index_gradient_keeps_the_split() -> None:
     assert x.grad._spec == x._spec, x.grad._spec
 
 
+def _select_gradient_keeps_the_split() -> None:
+    """A select's gradient comes back in x's own (skewed) split with nothing sent, not replicated at
+    the global shape on every rank (torch's ``select_backward`` cannot see x's split)."""
+    mesh, placements, sizes = sharding("4", "skewed", (2, 3, 7, 5))
+    for select in (lambda t: t[:, :, 5], lambda t: t.select(-2, -1), lambda t: torch.select(t, 2, 0), lambda t: t[1, :, 4, 1]):
+        x = distribute_tensor(randn((2, 3, 7, 5)), mesh, placements, sizes).requires_grad_(True)
+        y = select(x)
+        with count_communication() as log:
+            y.backward(torch.ones_like(y))
+        assert x.grad._spec == x._spec and log.bytes_sent == 0, (x.grad._spec, log.bytes_sent)
+
+
 def _leading_mask_stays_local() -> None:
     mesh, placements, sizes = sharding("4", "skewed", (1, 1, 11, 5))
     x = distribute_tensor(randn((1, 1, 11, 5)), mesh, placements, sizes)
@@ -240,6 +261,7 @@ TRAFFIC_CHECKS = [
     _select_broadcasts_one_row,
     _index_select_fetches_needed_rows,
     _list_index_gradient_keeps_the_split,
+    _select_gradient_keeps_the_split,
     _leading_mask_stays_local,
     _unsupported_raises,
 ]
