@@ -7,10 +7,12 @@ read (:func:`.pooling.gather_inside`: a halo exchange, only rows inside the grid
 padding with zeros locally and runs torch's unfold without padding.  It sends what a convolution
 with that kernel sends; the backward sends the halo rows' gradients back to their owners.
 
-The output (N, C * K, Ho * Wo) flattens two pairs of dims.  The rank's result is wrapped as
-(N, C, K, Ho, Wo), sharded like the input, and flattened by the view handlers: a contiguous
-``Shard`` of the last dim where only Ho is split, a ``StridedShard`` (each rank's Ho x Wo block,
-as ``flatten`` of a 2-D decomposition gives) where Wo is.  Without a sharded spatial dim each
+The output (N, C * K, Ho * Wo) flattens two pairs of dims.  Its layout is the view planner's
+(:func:`.views.view_spec_in_place`) for flattening (N, C, K, Ho, Wo) sharded like the input: a
+contiguous ``Shard`` of the last dim where only Ho is split, a ``StridedShard`` (each rank's
+Ho x Wo block, as ``flatten`` of a 2-D decomposition gives) where Wo is.  The slab is reshaped as
+a plain tensor, not through dispatched views (four dispatches, with their backwards, cost about
+as much as the exchanges); fold plans its input's unflatten the same way.  Without a sharded spatial dim each
 rank unfolds its slab (batch shards; a channel shard stays a shard of C * K).
 
 Fold is unfold's adjoint: it adds each position's window into the grid, and windows overlap
@@ -38,6 +40,7 @@ from ._local import local_input, sharded_axes, wrap_local_as
 from .conv import check_stencil_layout, window_inside
 from .halo import Window, scatter_window
 from .pooling import Stencil, drop_filler, fill_outside, gather_inside, output_axis_sizes, stencil_splits
+from .views import view_spec_in_place
 
 __all__: list[str] = []
 
@@ -82,10 +85,13 @@ def _unfold(*args: Any, **kwargs: Any) -> ShardTensor:
     blocks, axis_sizes = _unfold_local(local_input(x), x, stencils)
     channel = x.ndim - 3  # (N, C, H, W) or unbatched (C, H, W)
     taps = math.prod(s.kernel for s in stencils)
-    blocks = blocks.unflatten(channel, (blocks.shape[channel] // taps, taps))
     grid = tuple(_positions(x.shape[d], s) for d, s in zip(range(x.ndim - 2, x.ndim), stencils))
     placements = [Shard(p.dim + (p.dim > channel)) if type(p) is Shard else p for p in x.placements]
     spec = ShardTensorSpec(x.device_mesh, placements, (*x.shape[: channel + 1], taps, *grid), axis_sizes)
+    flat = view_spec_in_place(spec, (*x.shape[:channel], x.shape[channel] * taps, math.prod(grid)))
+    if flat is not None:
+        return wrap_local_as(blocks.flatten(-2), flat)
+    blocks = blocks.unflatten(channel, (blocks.shape[channel] // taps, taps))
     return wrap_local_as(blocks, spec).flatten(channel, channel + 1).flatten(-2)
 
 
@@ -128,6 +134,20 @@ def _fold_locally(
     return F.fold(local.flatten(lead, lead + 1).flatten(-2), sizes, kernel, dilation, padding, stride)
 
 
+def _positions_as_blocks(cols: ShardTensor, lead: int, taps: int, grid: tuple[int, ...]) -> tuple[torch.Tensor, ShardTensorSpec]:
+    """Fold's input (…, C * K, Ho * Wo) as this rank's (…, C, K, ho, wo) slab and its layout: the
+    slab reshaped in place where the view moves no rows, else through the view handlers (and a
+    C * K split that cuts a channel gathered)."""
+    shape = (*cols.shape[:lead], cols.shape[lead] // taps, taps, *grid)
+    spec = view_spec_in_place(cols._spec, shape)
+    if spec is not None and not any(type(p) is Shard and p.dim == lead + 1 for p in spec.placements):
+        return local_input(cols).reshape(spec.local_shape()), spec
+    blocks = cols.unflatten(-1, grid).unflatten(lead, shape[lead : lead + 2])
+    if any(type(p) is Shard and p.dim == lead + 1 for p in blocks.placements):  # C * K split inside a channel
+        blocks = blocks.redistribute(placements=[Replicate() if p == Shard(lead + 1) else p for p in blocks.placements])
+    return local_input(blocks), blocks._spec
+
+
 def _fold(*args: Any, **kwargs: Any) -> ShardTensor:
     bound = bind(_FOLD_NAMES, args, kwargs, _DEFAULTS)
     cols = bound["input"]
@@ -137,14 +157,11 @@ def _fold(*args: Any, **kwargs: Any) -> ShardTensor:
     taps = math.prod(s.kernel for s in stencils)
     lead = cols.ndim - 2  # 1 with a batch dim
     grid = tuple(_positions(e, s) for e, s in zip(extents, stencils))
-    blocks = cols.unflatten(-1, grid).unflatten(lead, (cols.shape[lead] // taps, taps))  # (N, C, K, Ho, Wo)
-    if any(type(p) is Shard and p.dim == lead + 1 for p in blocks.placements):  # C * K split inside a channel
-        blocks = blocks.redistribute(placements=[Replicate() if p == Shard(lead + 1) else p for p in blocks.placements])
-    spec = blocks._spec
-    axis_of = {dim - lead - 2: axis for axis, dim in sharded_axes(blocks) if dim >= lead + 2}  # position dim -> mesh axis
+    local, spec = _positions_as_blocks(cols, lead, taps, grid)
+    axis_of = {p.dim - lead - 2: axis for axis, p in enumerate(spec.placements) if type(p) is Shard and p.dim >= lead + 2}
     me = {i: spec.coordinate()[axis] for i, axis in axis_of.items()}
     windows = {i: _fold_windows(spec.axis_sizes[axis], stencils[i]) for i, axis in axis_of.items()}
-    window = _fold_locally(local_input(blocks), stencils, extents, windows, me)
+    window = _fold_locally(local, stencils, extents, windows, me)
     inside: dict[int, tuple[Window, ...]] = {}
     for i, dim_windows in windows.items():  # rows beyond the grid are dropped: drop them first, so no exchange carries them
         inside[i] = tuple(window_inside(w, extents[i]) for w in dim_windows)

@@ -25,7 +25,7 @@ from ..shard_tensor.spec import contiguous_strides
 
 aten = torch.ops.aten
 
-__all__ = ["view_groups", "plan_view"]
+__all__ = ["view_groups", "plan_view", "view_spec_in_place"]
 
 
 def view_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> list[tuple[list[int], list[int]]]:
@@ -173,6 +173,14 @@ def _view_plan(spec: ShardTensorSpec, out_shape: Sequence[int]) -> tuple[ShardTe
     resplit, fields = plan
     needed = spec if resplit is None else ShardTensorSpec(spec.mesh, resplit[0], spec.shape, resplit[1], spec.stride)
     return needed, ShardTensorSpec.from_checked(spec.mesh, *fields)
+
+
+def view_spec_in_place(spec: ShardTensorSpec, out_shape: Sequence[int]) -> ShardTensorSpec | None:
+    """The layout of ``view(out_shape)`` of a tensor laid out as ``spec`` where no rows need to move
+    (each slab views as itself), else None.  For handlers that reshape slabs they hold as plain
+    tensors: one planned spec instead of a dispatched view (and its backward) per reshape."""
+    needed, out_spec = _view_plan(spec, out_shape)
+    return out_spec if needed == spec else None
 
 
 def _view_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> ShardTensor:
