@@ -12,7 +12,7 @@ of the input):
   empty shards weigh right;
 - var, std (and var_mean, std_mean): all-gather of (count, mean, M2), merged with Chan et al.'s
   parallel algorithm (no E[x^2] - E[x]^2 cancellation; shared with normalization.py);
-- max, min, amax, amin: all-reduce of the local extreme and a NaN flag (NaN propagates like torch);
+- max, min, amax, amin, aminmax: all-reduce of the local extreme and a NaN flag (NaN propagates like torch);
 - max.dim, min.dim, argmax, argmin: all-gather of (value, global index); NaN wins, ties go to the
   smallest global index (torch's first occurrence);
 - logsumexp: all-gather of the local logsumexp, combined by logsumexp;
@@ -249,6 +249,17 @@ def _extreme_handler(largest: bool) -> Callable[[torch._ops.OpOverload, tuple, d
     return handle
 
 
+def _aminmax(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[ShardTensor, ShardTensor]:
+    """``aminmax`` as amin and amax: an empty shard contributes their identities (torch's kernel on
+    an empty slab raises on that rank alone, leaving the others in the collective)."""
+    a = _bind(op, args, kwargs)
+    plan = _plan(a["self"], a.get("dim"), bool(a.get("keepdim")))
+    if _needs_no_communication(plan):
+        return _run_locally(op, plan, args, kwargs)
+    _refuse_complex(op, plan)
+    return plan.wrap(_extreme(plan, largest=False)), plan.wrap(_extreme(plan, largest=True))
+
+
 # ----- max.dim, min.dim, argmax, argmin --------------------------------------------------------------
 def _local_candidate(plan: _Plan, dim: int | None, largest: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """This slab's best value and its GLOBAL index (flat over the global shape when ``dim`` is None)."""
@@ -360,6 +371,7 @@ for _op, _handler in (
     (aten.min.default, _extreme_handler(largest=False)),
     (aten.amax.default, _extreme_handler(largest=True)),
     (aten.amin.default, _extreme_handler(largest=False)),
+    (aten.aminmax.default, _aminmax),
     (aten.max.dim, _value_index_handler(largest=True)),
     (aten.min.dim, _value_index_handler(largest=False)),
     (aten.argmax.default, _value_index_handler(largest=True)),
