@@ -376,13 +376,23 @@ def _fallback(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
 _dispatch_handlers[torch.ops.aten.fill_.Tensor] = _fill_with_scalar_tensor
 
 _NOT_POINTWISE, _POINTWISE, _POINTWISE_INPLACE = 0, 1, 2
-# op -> (registered handler or None, pointwise kind): one lookup per op on the hot path
+# op -> (registered handler, pointwise kind, handler registered first): one lookup per op on the hot path
 _aten_plans: dict[torch._ops.OpOverload, tuple[DispatchHandler | None, int, DispatchHandler | None]] = {}
+_aten = torch.ops.aten
+# Elementwise activation gradients that torch does not tag pointwise and DTensor has no rule for
+# (``F.relu6``, ``hardswish``, ``logsigmoid``... raised in backward): they read the gradient and the
+# activation's input (or output) element by element, as a pointwise op does.
+_UNTAGGED_POINTWISE = frozenset({
+    _aten.hardtanh_backward.default, _aten.hardswish_backward.default, _aten.hardsigmoid_backward.default,
+    _aten.softshrink_backward.default, _aten.hardshrink_backward.default, _aten.leaky_relu_backward.default,
+    _aten.elu_backward.default, _aten.softplus_backward.default, _aten.mish_backward.default,
+    _aten.log_sigmoid_backward.default,
+})
 
 
 def _classify(op: torch._ops.OpOverload) -> int:
     schema = op._schema
-    if torch.Tag.pointwise not in op.tags or any(a.is_out for a in schema.arguments):
+    if (torch.Tag.pointwise not in op.tags and op not in _UNTAGGED_POINTWISE) or any(a.is_out for a in schema.arguments):
         return _NOT_POINTWISE
     if schema.arguments and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write:
         return _POINTWISE_INPLACE
