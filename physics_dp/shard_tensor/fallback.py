@@ -127,7 +127,7 @@ def _output_spec(
     # DTensor's stride comes from the global shape alone, so every rank builds the same spec
     # (a slab's own strides differ between ranks where its extents are 0 or 1).
     spec = ShardTensorSpec(mesh, placements, shape, sizes, dspec.tensor_meta.stride)
-    if spec.local_shape() != local.shape:
+    if spec.local_shape() != local.shape and not _both_empty(local.shape, spec.local_shape()):
         raise RuntimeError(
             f"{op}: the local result has shape {tuple(local.shape)} but its spec {spec} expects "
             f"{tuple(spec.local_shape())} (inputs {_describe(inputs)}); this op needs a physics_dp handler"
@@ -209,6 +209,10 @@ def _dtensor_spec(tensor: ShardTensor) -> Any:
     return private.make_spec(spec.mesh, spec.placements, spec.shape, spec.stride, tensor.dtype)
 
 
+def _both_empty(a: torch.Size, b: torch.Size) -> bool:
+    return a.numel() == 0 and b.numel() == 0
+
+
 def _wrap_outputs(
     result: Any, output_spec: Any, canonical: dict, op, inputs, slab_shapes: SlabShapes, path: tuple[int, ...] = ()
 ) -> Any:
@@ -216,6 +220,8 @@ def _wrap_outputs(
         return result
     if isinstance(result, torch.Tensor):
         spec = _output_spec(result, output_spec, canonical, op, inputs, slab_shapes, path)
+        if result.shape != spec.local_shape():  # an empty slab: some kernels (pixel_shuffle) return it reshaped not at all
+            result = result.new_empty(spec.local_shape())
         if result.dtype is torch.bool and spec.has_partial:
             # a pending logical or / and (any, all): reduced now, since a later op (a cast to float)
             # would carry it on as a sum or a product of numbers

@@ -107,3 +107,16 @@ def test_an_op_resizing_a_sharded_dim_sizes_its_output_without_a_meeting(mesh_sh
             calls, out_sizes, in_sizes = found[name]
             assert calls == 0, (name, calls)
             assert out_sizes == tuple(tuple(int(n * factor) for n in split) for split in in_sizes), (name, out_sizes)
+
+
+def _pixel_shuffle_with_an_empty_shard() -> bool:
+    mesh = get_mesh((3,))
+    sizes = [{0: [3, 0, 4]}]
+    assert_sharded_matches(lambda x: F.pixel_shuffle(x, 2), [_x((1, 8, 7, 5))], mesh, [_shard_h(mesh)], sharding_sizes=sizes)
+    return True
+
+
+def test_an_empty_shard_gets_an_empty_slab_of_its_spec():
+    """torch's pixel_shuffle returns an empty input unreshaped (its backward, pixel_unshuffle, too):
+    the fallback gives the empty slab its spec's shape instead of refusing the mismatch."""
+    assert all(run_on_ranks(3, _pixel_shuffle_with_an_empty_shard))
