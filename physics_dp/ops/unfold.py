@@ -35,11 +35,13 @@ import torch
 import torch.nn.functional as F
 
 from ..shard_tensor import Replicate, Shard, ShardTensor, ShardTensorSpec
+from ..shard_tensor.dispatch import run_default
+from ..shard_tensor.fallback import propagate_and_run
 from ._args import bind, per_dim, single_device_shape
 from ._local import local_input, sharded_axes, wrap_local_as
-from .conv import check_stencil_layout, window_inside
+from .conv import check_stencil_layout, conv_output_split, conv_windows, window_inside
 from .halo import Window, scatter_window
-from .pooling import Stencil, drop_filler, fill_outside, gather_inside, output_axis_sizes, stencil_splits
+from .pooling import DimSplit, Stencil, dim_split, drop_filler, fill_outside, gather_inside, output_axis_sizes, stencil_splits
 from .views import view_spec_in_place
 
 __all__: list[str] = []
@@ -177,6 +179,56 @@ def _fold(*args: Any, **kwargs: Any) -> ShardTensor:
     return wrap_local_as(window, out)
 
 
+# ----- Tensor.unfold: sliding windows along one dim --------------------------------------------
+def _sliding_windows(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
+    """``x.unfold(dim, size, step)`` over a sharded dim: each rank owns the windows a convolution of
+    kernel ``size`` and stride ``step`` would give it, gathers the halo rows they reach (none for
+    patches cut at the split's boundaries) and unfolds locally.  torch returns a view of ``x``;
+    this result is a copy (its windows came partly from other ranks), so an in-place write to it
+    does not reach ``x``."""
+    bound = bind(("input", "dimension", "size", "step"), args, kwargs, {})
+    x, dim, size, step = bound["input"], bound["dimension"], bound["size"], bound["step"]
+    if not isinstance(x, ShardTensor) or not all(type(v) is int for v in (dim, size, step)) or not x.ndim:
+        return run_default(func, args, kwargs)
+    dim %= x.ndim
+    axis, sizes, me = dim_split(x, dim)
+    if axis is None or x.device_mesh.size(axis) == 1 or not 0 < size <= x.shape[dim] or step <= 0:
+        return run_default(func, args, kwargs)  # a whole dim, or torch's own error
+    check_stencil_layout("Tensor.unfold", x, (), None)
+    count = (x.shape[dim] - size) // step + 1
+    out_sizes = conv_output_split(sizes, count, size, step, 1, 0)
+    split = DimSplit(dim, axis, sizes, out_sizes, conv_windows(out_sizes, sizes, size, step, 1, 0), me)
+    local = gather_inside(local_input(x), x, [split])
+    if split.count == 0 and local.shape[dim] < size:  # one filler window, so every rank runs the same graph
+        local = F.pad(local, [0, 0] * (x.ndim - 1 - dim) + [0, size - local.shape[dim]])
+    windows = drop_filler(local.unfold(dim, size, step), [split])
+    shape = (*x.shape[:dim], count, *x.shape[dim + 1 :], size)
+    return wrap_local_as(windows, ShardTensorSpec(x.device_mesh, x.placements, shape, output_axis_sizes(x, [split])))
+
+
+def _unfold_whole_dim(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """``aten.unfold`` along a dim every rank holds whole: the slab's own view (DTensor has no rule)."""
+    x, dim, size, step = args
+    spec = x._spec
+    dim %= max(x.ndim, 1)
+    if spec.has_partial or dim_split(x, dim)[0] is not None:
+        return propagate_and_run(op, args, kwargs)
+    view = torch.empty_strided(spec.shape, spec.stride, device="meta").unfold(dim, size, step)
+    out = ShardTensorSpec(spec.mesh, spec.placements, view.shape, spec.axis_sizes, view.stride())
+    return ShardTensor(x._local_tensor.unfold(dim, size, step), out)
+
+
+def _unfold_backward_whole_dim(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """Its backward: each rank adds its slab's windows back (the unfolded dim is whole on every rank)."""
+    grad, input_sizes, dim, size, step = args
+    spec = grad._spec
+    dim %= len(input_sizes)
+    if spec.has_partial or any(type(p) is Shard and p.dim in (dim, grad.ndim - 1) for p in spec.placements):
+        return propagate_and_run(op, args, kwargs)
+    out = ShardTensorSpec(spec.mesh, spec.placements, input_sizes, spec.axis_sizes)
+    return ShardTensor(op(grad._local_tensor, out.local_shape(), dim, size, step), out)
+
+
 def _handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
     return (_unfold if func is F.unfold else _fold)(*args, **kwargs)
 
@@ -184,3 +236,6 @@ def _handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> ShardTensor:
 ShardTensor.register_function_handler(F.unfold, _handler)
 # fold takes unfold's strided positions as they are (converting them to a contiguous layout would gather them)
 ShardTensor.register_function_handler(F.fold, _handler, strided=True)
+ShardTensor.register_function_handler(torch.Tensor.unfold, _sliding_windows)
+ShardTensor.register_dispatch_handler(torch.ops.aten.unfold.default, _unfold_whole_dim)
+ShardTensor.register_dispatch_handler(torch.ops.aten.unfold_backward.default, _unfold_backward_whole_dim)

@@ -117,3 +117,48 @@ def test_fold_returns_the_unfold_split_and_sends_only_overlapping_rows(mesh_shap
     even = None if sizes is None else {0: [8, 8]}
     for same_spec, forward, backward in run_on_ranks(world, _fold_traffic, mesh_shape, dims, even, 2, 0, 2):
         assert same_spec and (forward, backward) == (0, 0)
+
+
+# ----- Tensor.unfold: sliding windows along one dim ------------------------------------------------
+WINDOWS_FAMILY: dict[str, Callable] = {
+    "x.unfold(2, 2, 2), patches": lambda x: x.unfold(2, 2, 2),
+    "x.unfold(2, 3, 1), overlapping": lambda x: x.unfold(2, 3, 1) * 2,
+    "x.unfold(-2, 3, 2)": lambda x: x.unfold(-2, 3, 2),
+    "x.unfold(2, H, 1), one window": lambda x: x.unfold(2, x.shape[2], 1),
+    "x.unfold(3, 2, 1), along W": lambda x: x.unfold(3, 2, 1),
+    "x.unfold(1, 2, 1), along C": lambda x: x.unfold(1, 2, 1).sum(-1),
+    "patchify: x.unfold(2, 2, 2).unfold(3, 2, 2)": lambda x: x.unfold(2, 2, 2).unfold(3, 2, 2),
+}
+
+
+def _check_windows(layout: str) -> list[str]:
+    return check_family(layout, WINDOWS_FAMILY)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_sliding_windows_match_single_device(layout: str) -> None:
+    """``Tensor.unfold`` raised on every layout before: DTensor has no rule for ``aten.unfold``."""
+    checked = run_on_ranks(world_of(layout), _check_windows, layout)[0]
+    assert len(checked) == 3 * len(WINDOWS_FAMILY)
+
+
+def _window_traffic() -> dict[str, tuple]:
+    mesh = get_mesh((2,))
+    found = {}
+    for name, (size, step) in {"patches": (2, 2), "overlapping": (3, 1)}.items():
+        x = distribute_tensor(randn((1, 2, 8, 4)), mesh, [Shard(2)]).requires_grad_(True)
+        with count_communication() as forward:
+            y = x.unfold(2, size, step)
+        with count_communication() as backward:
+            y.backward(torch.ones_like(y))
+        found[name] = (forward.bytes_sent, backward.bytes_sent, y._spec.axis_sizes[0], x.grad._spec == x._spec)
+    return found
+
+
+def test_sliding_windows_send_only_halo_rows() -> None:
+    """Patches cut at the split's boundaries send nothing.  Windows of 3 rows at step 1 go to the
+    rank holding their centre row, so each rank sends the other one row (2 channels x 4 values of
+    4 bytes) and gets its gradient back; x's gradient keeps x's split."""
+    for found in run_on_ranks(2, _window_traffic):
+        assert found["patches"] == (0, 0, (2, 2), True), found
+        assert found["overlapping"] == (2 * 4 * 4, 2 * 4 * 4, (3, 3), True), found
