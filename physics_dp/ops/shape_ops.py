@@ -19,6 +19,9 @@ slice of the input (manual periodic padding, ``cat([x[-1:], x, x[:1]])``), where
 gradient would otherwise reach the input's other uses zero-padded to a whole slab in the
 output's split, and move whole.
 
+- ``pixel_unshuffle`` with a split of H or W that cuts the factor x factor blocks: the slabs move
+  to a balanced split of whole blocks first (torch's kernel checks the slab's extent).
+
 ``unsqueeze``, ``flatten``/``unflatten`` (``views.py``), ``permute``, ``transpose`` and ``stack``
 keep their splits through the fallback and need no handler here.
 """
@@ -275,6 +278,26 @@ def _cat_keeping_grad_layouts(func: Any, types: tuple, args: tuple, kwargs: dict
     return run_default(func, args, kwargs)
 
 
+# ----- pixel_unshuffle -------------------------------------------------------------------------------------
+def _pixel_unshuffle_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """Each factor x factor block becomes channels, so a slab must hold whole blocks.  A split of H
+    or W that cuts blocks (H = 6 over 2 ranks as [3, 3]) moves to a balanced split of whole blocks
+    first (a few rows travel); torch's kernel would raise on the slab although the grid divides."""
+    x, factor = args[0], args[1]
+    spec = x._spec
+    axis_sizes = list(spec.axis_sizes)
+    for axis, placement in enumerate(spec.placements):
+        sizes = axis_sizes[axis]
+        if type(placement) is not Shard or placement.dim < x.ndim - 2 or x.shape[placement.dim] % factor:
+            continue
+        if any(n % factor for n in sizes):
+            axis_sizes[axis] = tuple(n * factor for n in balanced_sizes(x.shape[placement.dim] // factor, len(sizes)))
+    if axis_sizes != list(spec.axis_sizes):
+        aligned = ShardTensorSpec(spec.mesh, spec.placements, spec.shape, axis_sizes)
+        x = ShardTensor(redistribute_local(x._local_tensor, spec, aligned), aligned)
+    return propagate_and_run(op, (x, *args[1:]), kwargs)
+
+
 # ----- registration ---------------------------------------------------------------------------------------
 for _func in (torch.cat, torch.concat, torch.concatenate):
     ShardTensor.register_function_handler(_func, _cat_keeping_grad_layouts)
@@ -283,4 +306,5 @@ for _op in (aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims):
 for _op in (aten.split.Tensor, aten.split_with_sizes.default):
     ShardTensor.register_dispatch_handler(_op, _split_handler)
 ShardTensor.register_dispatch_handler(aten.unbind.int, _unbind_handler)
+ShardTensor.register_dispatch_handler(aten.pixel_unshuffle.default, _pixel_unshuffle_handler)
 ShardTensor.register_dispatch_handler(aten.cat.default, _cat_handler)

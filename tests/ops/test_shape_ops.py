@@ -317,3 +317,16 @@ def test_cat_split() -> None:
     assert cat_split([(0, 3, (3, 0, 0)), (3, 2, None), (5, 2, (0, 0, 2))], 7, 3) == [3, 2, 2]
     assert cat_split([(0, 4, (2, 2)), (4, 4, (2, 2))], 8, 2) == [4, 4]
     assert cat_split([(0, 0, (0, 0)), (0, 5, (0, 5))], 5, 2) == [0, 5]
+
+
+def _pixel_unshuffle_of_a_split_cutting_blocks() -> bool:
+    mesh = get_mesh((2,))
+    fn = lambda x: torch.nn.functional.pixel_unshuffle(x, 2)  # noqa: E731
+    assert_sharded_matches(fn, [randn((1, 2, 6, 4))], mesh, [[Shard(2)]], sharding_sizes=[{0: [3, 3]}])
+    return True
+
+
+def test_pixel_unshuffle_of_a_split_cutting_blocks():
+    """H = 6 as [3, 3] cuts 2 x 2 blocks: the slabs move to whole blocks ([4, 2]) first (torch's
+    kernel raised on each slab of 3 rows although the grid divides)."""
+    assert all(run_on_ranks(2, _pixel_unshuffle_of_a_split_cutting_blocks))
