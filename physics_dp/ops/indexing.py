@@ -24,8 +24,8 @@ aten-level handlers run below autograd, whose backward ops reach dispatch again.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 

@@ -206,12 +206,16 @@ def _sliding_windows(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
     return wrap_local_as(windows, ShardTensorSpec(x.device_mesh, x.placements, shape, output_axis_sizes(x, [split])))
 
 
+def _split_over_ranks(spec: ShardTensorSpec, dim: int) -> bool:
+    return any(type(p) is Shard and p.dim == dim and spec.mesh.size(axis) > 1 for axis, p in enumerate(spec.placements))
+
+
 def _unfold_whole_dim(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     """``aten.unfold`` along a dim every rank holds whole: the slab's own view (DTensor has no rule)."""
     x, dim, size, step = args
     spec = x._spec
     dim %= max(x.ndim, 1)
-    if spec.has_partial or dim_split(x, dim)[0] is not None:
+    if spec.has_partial or _split_over_ranks(spec, dim):
         return propagate_and_run(op, args, kwargs)
     view = torch.empty_strided(spec.shape, spec.stride, device="meta").unfold(dim, size, step)
     out = ShardTensorSpec(spec.mesh, spec.placements, view.shape, spec.axis_sizes, view.stride())
@@ -223,7 +227,7 @@ def _unfold_backward_whole_dim(op: torch._ops.OpOverload, args: tuple, kwargs: d
     grad, input_sizes, dim, size, step = args
     spec = grad._spec
     dim %= len(input_sizes)
-    if spec.has_partial or any(type(p) is Shard and p.dim in (dim, grad.ndim - 1) for p in spec.placements):
+    if spec.has_partial or _split_over_ranks(spec, dim) or _split_over_ranks(spec, grad.ndim - 1):
         return propagate_and_run(op, args, kwargs)
     out = ShardTensorSpec(spec.mesh, spec.placements, input_sizes, spec.axis_sizes)
     return ShardTensor(op(grad._local_tensor, out.local_shape(), dim, size, step), out)
