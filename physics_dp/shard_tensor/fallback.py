@@ -46,6 +46,33 @@ def _as_shard_tensor(value: Any, mesh) -> ShardTensor | None:
     return None
 
 
+_MEAN = 1  # torch's reduction enum: 'none', 'mean', 'sum'
+# Ops whose DTensor rule divides by the global total (``total_weight``), not by the slab's count.
+_GLOBAL_MEAN_RULES = frozenset({
+    torch.ops.aten.nll_loss_forward.default, torch.ops.aten.nll_loss_backward.default,
+    torch.ops.aten.nll_loss2d_forward.default, torch.ops.aten.nll_loss2d_backward.default,
+})
+
+
+def _refuse_a_mean_over_slabs(op: torch._ops.OpOverload, args: tuple, kwargs: dict, inputs: list[ShardTensor]) -> None:
+    """A loss kernel called with reduction='mean' divides by the count of the tensor it sees: on a
+    slab, by the slab's count.  DTensor propagates such ops through their decompositions (so a
+    rule exists), but the kernel itself runs here: ``mse_loss_backward`` scaled every gradient by
+    the number of ranks, silently.  ``ops/losses.py`` intercepts the ``torch.nn.functional``
+    losses; a kernel reached another way raises."""
+    names = [a.name for a in op._schema.arguments]
+    if "reduction" not in names or op in _GLOBAL_MEAN_RULES:
+        return
+    at = names.index("reduction")
+    reduction = args[at] if at < len(args) else kwargs.get("reduction", op._schema.arguments[at].default_value)
+    sharded = [t for t in inputs if any(type(p) is Shard and t._spec.mesh.size(a) > 1 for a, p in enumerate(t._spec.placements))]
+    if reduction == _MEAN and sharded:
+        raise ShardingRuleError(
+            f"{op} averages inside its kernel, which on inputs {_describe(sharded)} would divide by each slab's "
+            "count: call the loss with reduction='none' and take .mean() of the result"
+        )
+
+
 def _is_inplace(op: torch._ops.OpOverload) -> bool:
     arguments = op._schema.arguments
     return bool(arguments) and arguments[0].alias_info is not None and arguments[0].alias_info.is_write
@@ -150,6 +177,7 @@ def propagate_and_run(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> A
             continue
         inputs.append(tensor)
         schema_leaves.append(_dtensor_spec(tensor))
+    _refuse_a_mean_over_slabs(op, args, kwargs, inputs)
     kwargs_schema = {}
     local_kwargs = {}
     for key, value in kwargs.items():

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from physics_dp.distributed.collectives import count_communication
 from physics_dp.shard_tensor import Replicate, Shard, distribute_tensor
+from physics_dp.shard_tensor.fallback import ShardingRuleError
 from physics_dp.testing import get_mesh, run_on_ranks
 from physics_dp.testing.compare import assert_sharded_matches
 
@@ -120,3 +121,21 @@ def test_an_empty_shard_gets_an_empty_slab_of_its_spec():
     """torch's pixel_shuffle returns an empty input unreshaped (its backward, pixel_unshuffle, too):
     the fallback gives the empty slab its spec's shape instead of refusing the mismatch."""
     assert all(run_on_ranks(3, _pixel_shuffle_with_an_empty_shard))
+
+
+def _a_loss_kernel_averaging_over_slabs_raises() -> bool:
+    mesh = get_mesh((2,))
+    x, y = (distribute_tensor(_x((2, 3, 8, 6), seed=s), mesh, _shard_h(mesh)) for s in (0, 1))
+    with pytest.raises(ShardingRuleError, match="reduction='none' and take .mean"):
+        torch._C._nn.mse_loss(x, y, 1)  # the kernel under F.mse_loss, which ops/losses.py intercepts
+    with pytest.raises(ShardingRuleError, match="divide by each slab's count"):
+        torch.ops.aten.huber_loss(x, y)
+    torch._C._nn.mse_loss(x, y, 0).mean()  # reduction='none' is elementwise: runs
+    return True
+
+
+def test_a_loss_kernel_averaging_over_slabs_raises():
+    """mse_loss_backward run on each slab divided by the slab's count: F.mse_loss's input gradient
+    was scaled by the number of ranks, silently.  A loss kernel reached with reduction='mean' over
+    a sharded input now raises, naming the fix."""
+    assert all(run_on_ranks(2, _a_loss_kernel_averaging_over_slabs_raises))
