@@ -16,7 +16,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
+from torch.distributed.tensor._op_schema import OpSchema, OutputSharding, RuntimeSchemaInfo
 
 __all__ = ["DTensorSpec", "OutputSharding", "TESTED_TORCH", "make_spec", "propagate"]
 
@@ -34,12 +34,35 @@ def make_spec(mesh: DeviceMesh, placements: tuple, shape: torch.Size, stride: tu
     return DTensorSpec(mesh, placements, tensor_meta=TensorMeta(shape, stride, dtype))
 
 
+_HASHED_SCHEMA_INFO: dict[torch._ops.OpOverload, RuntimeSchemaInfo] = {}
+
+
+def _schema_info_hashing_every_argument(op: torch._ops.OpOverload, kwargs_schema: dict[str, Any]) -> RuntimeSchemaInfo:
+    """DTensor's schema info for ``op`` with every non-tensor argument in the cache key.
+
+    The propagator caches decisions keyed on the arguments from the registered ``static_argnum``
+    on (100 when an op registers none) and on the named kwargs only.  In torch 2.13 several ops
+    register too late an index: after ``topk(x, 3, d)``, ``topk(x, 2, d)`` got the first call's
+    output shape, as did ``histc`` with another ``bins``; an argument that decides placements
+    but not shapes would go unnoticed.  Hashing from the first non-tensor argument, and every
+    kwarg, costs only cache misses for calls that differ.
+    """
+    info = _HASHED_SCHEMA_INFO.get(op)
+    if info is None:
+        propagator = DTensor._op_dispatcher.sharding_propagator
+        registered = propagator.op_to_schema_info.get(op) or propagator.op_to_schema_info_for_single_dim_strategy.get(op)
+        first = next((i for i, a in enumerate(op._schema.arguments) if "Tensor" not in str(a.type)), len(op._schema.arguments))
+        info = _HASHED_SCHEMA_INFO[op] = RuntimeSchemaInfo(first, None, registered.needs_pytree if registered else False)
+    if kwargs_schema:
+        return RuntimeSchemaInfo(info.static_argnum, sorted(kwargs_schema), info.needs_pytree)
+    return info
+
+
 def propagate(op: torch._ops.OpOverload, args_schema: tuple, kwargs_schema: dict[str, Any]) -> OutputSharding:
     """DTensor's sharding decision for ``op`` on inputs described by ``args_schema``.
 
     Raises ``NotImplementedError`` when DTensor has no rule for the op.
     """
     propagator = DTensor._op_dispatcher.sharding_propagator
-    schema_info = propagator.op_to_schema_info.get(op) or propagator.op_to_schema_info_for_single_dim_strategy.get(op)
-    schema = OpSchema(op, args_schema, kwargs_schema, schema_info=schema_info)
+    schema = OpSchema(op, args_schema, kwargs_schema, schema_info=_schema_info_hashing_every_argument(op, kwargs_schema))
     return propagator.propagate_op_sharding(schema)

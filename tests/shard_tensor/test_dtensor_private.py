@@ -51,3 +51,23 @@ def test_propagator_decisions_we_rely_on():
 
 def test_validated_torch_version():
     assert ".".join(torch.__version__.split(".")[:2]) in private.TESTED_TORCH
+
+
+def _decisions_follow_every_argument():
+    mesh = get_mesh((2,))
+    x = _spec(mesh, [Shard(0)], (6, 4))
+    shapes = {}
+    for bins in (6, 4):  # histc registers its static arguments from index 2: bins was not in the key
+        shapes[f"histc {bins}"] = tuple(private.propagate(aten.histc.default, (x, bins, 0.0, 1.0), {}).output_spec.tensor_meta.shape)
+    for k in (3, 2):  # as topk's k
+        values = private.propagate(aten.topk.default, (x, k, 1), {}).output_spec[0]
+        shapes[f"topk {k}"] = tuple(values.tensor_meta.shape)
+    return shapes
+
+
+def test_propagation_cache_keys_every_argument():
+    """DTensor's cache skips non-tensor arguments before an op's registered ``static_argnum``;
+    ``propagate`` hashes them all, so a second call with another ``bins`` or ``k`` is not given
+    the first call's output."""
+    shapes = run_on_ranks(2, _decisions_follow_every_argument)[0]
+    assert shapes == {"histc 6": (6,), "histc 4": (4,), "topk 3": (6, 3), "topk 2": (6, 2)}, shapes
