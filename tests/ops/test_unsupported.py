@@ -59,6 +59,16 @@ UNSUPPORTED = {
         "antialias",
     ),
     "roll without dims": (lambda m: torch.roll(_field(m, [Shard(2)]), 2), "roll", ""),
+    "cross_entropy, classes sharded": (
+        lambda m: F.cross_entropy(_field(m, [Shard(1)]), torch.zeros(2, 9, 6, dtype=torch.long)),
+        "cross_entropy",
+        "class dim",
+    ),
+    "a loss kernel averaging over slabs": (
+        lambda m: torch._C._nn.mse_loss(_field(m, [Shard(2)]), _field(m, [Shard(2)]), 1),
+        "mse_loss",
+        "reduction='none'",
+    ),
     "op without a sharding rule": (lambda m: no_rule(_field(m, [Shard(2)])), "physics_dp_tests.no_rule", "no sharding rule"),
 }
 
