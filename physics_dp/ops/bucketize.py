@@ -12,10 +12,11 @@ from typing import Any
 
 import torch
 
-from ..shard_tensor import Replicate, ShardTensor
+from ..shard_tensor import ShardTensor
 from ..shard_tensor.fallback import propagate_and_run
 from ..shard_tensor.redistribute import without_partials
 from ._local import contiguous_result, slab_as
+from .indexing import replicated_plain
 
 __all__: list[str] = []
 
@@ -24,11 +25,8 @@ aten = torch.ops.aten
 
 def _whole(tensor: Any) -> torch.Tensor | None:
     """A 1-D tensor every rank holds whole (plain, or replicated on every mesh axis), as a plain tensor."""
-    if isinstance(tensor, ShardTensor):
-        if not all(type(p) is Replicate for p in tensor.placements):
-            return None
-        tensor = tensor._local_tensor
-    return tensor if isinstance(tensor, torch.Tensor) and tensor.ndim == 1 else None
+    plain = replicated_plain(tensor)
+    return plain if plain is not None and plain.ndim == 1 else None
 
 
 def _search_slab(op: torch._ops.OpOverload, args: tuple, kwargs: dict, values_at: int, boundaries_at: int) -> Any:

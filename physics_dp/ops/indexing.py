@@ -45,6 +45,7 @@ from .halo import with_extent
 aten = torch.ops.aten
 
 __all__ = [
+    "replicated_plain",
     "offsets",
     "owner_ranks",
     "axis_sharding",
@@ -478,7 +479,7 @@ class _IndexSelectExchange(torch.autograd.Function):
         return local_grad, None, None, None
 
 
-def _replicated_plain(value: Any) -> torch.Tensor | None:
+def replicated_plain(value: Any) -> torch.Tensor | None:
     """A plain tensor, or the slab of a fully replicated ShardTensor; None for anything else."""
     if isinstance(value, ShardTensor):
         return value._local_tensor if all(type(p) is Replicate for p in value.placements) else None
@@ -515,7 +516,7 @@ def _index_select_handler(func: Any, types: tuple, args: tuple, kwargs: dict) ->
     tensor = args[0]
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
     index = args[2] if len(args) > 2 else kwargs.get("index")
-    plain = _replicated_plain(index)
+    plain = replicated_plain(index)
     usable = isinstance(tensor, ShardTensor) and isinstance(dim, int) and "out" not in kwargs
     if not usable or plain is None or plain.ndim > 1:
         return run_default(func, args, kwargs)
@@ -785,21 +786,35 @@ def _is_index_list(entry: Any) -> bool:
     return isinstance(entry, list) and bool(entry) and all(type(i) is int and i >= 0 for i in entry)
 
 
-def _index_dim(key: Any, ndim: int) -> tuple[int, torch.Tensor] | None:
-    """(dim, index) when ``key`` is full slices (and one ``...``) around one 1-D integer tensor or list."""
-    entries = [torch.tensor(e) if _is_index_list(e) else e for e in (list(key) if isinstance(key, tuple) else [key])]
+def _entries_per_dim(key: Any, ndim: int) -> list[Any] | None:
+    """The entries of an indexing ``key``, one per dim it addresses (``...`` expanded to full slices);
+    None for a key with more than one ``...``."""
+    entries = list(key) if isinstance(key, tuple) else [key]
     ellipses = [i for i, e in enumerate(entries) if e is Ellipsis]
     if len(ellipses) > 1:
         return None
     if ellipses:
         at = ellipses[0]
         entries = entries[:at] + [slice(None)] * (ndim - len(entries) + 1) + entries[at + 1 :]
+    return entries
+
+
+def _is_full_slice(entry: Any) -> bool:
+    return isinstance(entry, slice) and entry == slice(None)
+
+
+def _index_dim(key: Any, ndim: int) -> tuple[int, torch.Tensor] | None:
+    """(dim, index) when ``key`` is full slices (and one ``...``) around one 1-D integer tensor or list."""
+    entries = _entries_per_dim(key, ndim)
+    if entries is None:
+        return None
+    entries = [torch.tensor(e) if _is_index_list(e) else e for e in entries]
     tensors = [(d, e) for d, e in enumerate(entries) if isinstance(e, torch.Tensor)]
-    full = all(isinstance(e, torch.Tensor) or e == slice(None) for e in entries)
+    full = all(isinstance(e, torch.Tensor) or _is_full_slice(e) for e in entries)
     if len(entries) > ndim or len(tensors) != 1 or not full:
         return None
     dim, index = tensors[0]
-    plain = _replicated_plain(index)
+    plain = replicated_plain(index)
     if plain is None or plain.ndim != 1 or plain.dtype not in (torch.int64, torch.int32):
         return None
     return dim, plain
@@ -807,13 +822,8 @@ def _index_dim(key: Any, ndim: int) -> tuple[int, torch.Tensor] | None:
 
 def _int_entries(key: Any, ndim: int) -> list[tuple[int, int]] | None:
     """(dim, index) of each int when ``key`` is ints and full slices (and one ``...``), e.g. ``x[:, :, 15]``."""
-    entries = list(key) if isinstance(key, tuple) else [key]
-    if entries.count(Ellipsis) > 1 or not all(type(e) is int or e is Ellipsis or (isinstance(e, slice) and e == slice(None)) for e in entries):
-        return None
-    if Ellipsis in entries:
-        at = entries.index(Ellipsis)
-        entries = entries[:at] + [slice(None)] * (ndim - len(entries) + 1) + entries[at + 1 :]
-    if len(entries) > ndim:
+    entries = _entries_per_dim(key, ndim)
+    if entries is None or len(entries) > ndim or not all(type(e) is int or _is_full_slice(e) for e in entries):
         return None
     return [(d, e) for d, e in enumerate(entries) if type(e) is int]
 
