@@ -17,6 +17,8 @@
   fetched from their owners by all-to-all; nothing is gathered whole.
 - ``x[mask]`` / ``masked_select`` with a boolean ShardTensor mask of ``x``'s shape: a 1-D result
   sharded by rank order, each rank holding what it selected (uneven sizes), in global order.
+- ``x[..., [i, j]] = v`` (``index_put``) along a sharded dim: each rank writes the picked rows it
+  owns; nothing is sent but the values when they are split.
 
 Function-level handlers use ``autograd.Function``s whose backward knows the input's exact split;
 aten-level handlers run below autograd, whose backward ops reach dispatch again.
@@ -39,8 +41,10 @@ from ..shard_tensor import Placement, Replicate, Shard, ShardTensor, ShardTensor
 from ..shard_tensor.conversions import distribute_tensor, from_local_with_spec, redistribute_to_spec, to_local
 from ..shard_tensor.dispatch import run_default
 from ..shard_tensor.fallback import propagate_and_run
+from ..shard_tensor.redistribute import redistribute_local
 from ._local import ShardedOpError
 from .halo import with_extent
+from .pointwise import block_of_replicated
 
 aten = torch.ops.aten
 
@@ -310,6 +314,63 @@ def _select_function_handler(func: Any, types: tuple, args: tuple, kwargs: dict)
     if not isinstance(tensor, ShardTensor) or type(dim) is not int or type(index) is not int:
         return run_default(func, args, kwargs)
     return sharded_select(tensor, dim, index)
+
+
+# ----- index_put: writing rows picked by a list along a sharded dim ------------------------------------
+def _picked_dim(tensor: ShardTensor, indices: Sequence[Any]) -> tuple[int, torch.Tensor] | None:
+    """(dim, index) when ``indices`` (``index_put``'s) picks rows of one dim sharded over more than
+    one rank with a 1-D integer index every rank holds, the dims before it whole (``x[:, :, [0, 6]]``)."""
+    picked = [(d, i) for d, i in enumerate(indices) if i is not None]
+    if len(picked) != 1:
+        return None
+    dim, index = picked[0]
+    axis = axis_sharding(tensor._spec, dim)
+    plain = replicated_plain(index)
+    if axis is None or tensor._spec.mesh.size(axis) == 1 or plain is None or plain.ndim != 1:
+        return None
+    return (dim, plain) if plain.dtype in (torch.int64, torch.int32) else None
+
+
+def _whole(values: torch.Tensor) -> torch.Tensor:
+    """``values`` whole on this rank: the picked rows are few, so split values are gathered."""
+    if not isinstance(values, ShardTensor):
+        return values
+    spec = values._spec
+    replicated = ShardTensorSpec(spec.mesh, [Replicate()] * spec.mesh.ndim, spec.shape)
+    return redistribute_local(values._local_tensor, spec, replicated)
+
+
+def _index_put_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """``x[..., [i, j]] = v`` (``index_put``, in place or not) along a sharded dim: each rank writes
+    the picked rows it owns, from the values' matching rows; nothing is sent (values split over
+    ranks, a few rows, are gathered first).  DTensor has no
+    rule that writes into a sharded dim (it raised), so boundary rows set by a list
+    (``u[:, :, [0, -1]] = 0``) could not be written."""
+    x, indices, values = args[:3]
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    found = _picked_dim(x, indices) if isinstance(x, ShardTensor) and not x._spec.has_partial else None
+    if found is None or not isinstance(values, torch.Tensor):
+        return propagate_and_run(op, args, kwargs)
+    whole_values = _whole(values)
+    dim, index = found
+    spec = x._spec
+    extent = spec.shape[dim]
+    if index.numel() and not (-extent <= int(index.min()) and int(index.max()) < extent):
+        raise IndexError(f"index_put: index out of range for dim {dim} of size {extent}")
+    index = index.long() % extent
+    axis = axis_sharding(spec, dim)
+    first, count = offsets(spec.axis_sizes[axis])[spec.coordinate()[axis]], spec.local_shape()[dim]
+    positions = ((index >= first) & (index < first + count)).nonzero().squeeze(1)
+    picked = with_extent(spec.shape, dim, index.numel())
+    picked_spec = ShardTensorSpec(spec.mesh, spec.placements, picked, _with_dim_sizes(spec, axis, balanced_sizes(index.numel(), spec.mesh.size(axis))))
+    others = [a for a in range(spec.mesh.ndim) if a != axis]
+    rows = block_of_replicated(whole_values, picked_spec, others)
+    rows = rows.broadcast_to(with_extent(spec.local_shape(), dim, index.numel())).index_select(dim, positions)
+    local_indices = [None] * dim + [index.index_select(0, positions) - first]
+    if op is aten.index_put_.default:
+        op(x._local_tensor, local_indices, rows.to(x.dtype), accumulate)
+        return x
+    return ShardTensor(op(x._local_tensor, local_indices, rows.to(x.dtype), accumulate), spec.replace())
 
 
 # ----- moving rows between ranks (roll, cat) --------------------------------------------------------------
@@ -860,6 +921,8 @@ ShardTensor.register_dispatch_handler(aten.slice_backward.default, _slice_backwa
 ShardTensor.register_dispatch_handler(aten.select.int, _select_handler)
 ShardTensor.register_dispatch_handler(aten.select_backward.default, _select_backward_in_source_split, first=True)
 ShardTensor.register_dispatch_handler(aten.roll.default, _roll_handler)
+for _op in (aten.index_put_.default, aten.index_put.default):
+    ShardTensor.register_dispatch_handler(_op, _index_put_handler)
 for _func in (torch.index_select, torch.Tensor.index_select):
     ShardTensor.register_function_handler(_func, _index_select_handler)
 for _func in (torch.gather, torch.Tensor.gather):

@@ -78,6 +78,20 @@ SELECT_FAMILY: dict[str, Callable] = {
     "gather(1, index)": lambda x: x.gather(1, _gather_index(tuple(x.shape), 1)),
     "take_along_dim(argsort, 2)": lambda x: torch.take_along_dim(x, x.detach().argsort(2), 2),
 }
+def _rows_set(x: torch.Tensor, key: tuple, value: float | torch.Tensor) -> torch.Tensor:
+    y = x * 1
+    y[key] = value
+    return y
+
+
+_ROW_VALUES = torch.tensor([1.5, -2.0]).view(1, 1, 2, 1)
+PUT_FAMILY: dict[str, Callable] = {
+    "y[:, :, [0, 6]] = 9": lambda x: _rows_set(x, (slice(None), slice(None), [0, 6]), 9.0),
+    "y[:, :, [0, -1]] = 0 (boundary rows)": lambda x: _rows_set(x, (slice(None), slice(None), [0, -1]), 0.0),
+    "y[..., [4, 2], :] = rows": lambda x: _rows_set(x, (Ellipsis, [4, 2], slice(None)), _ROW_VALUES),
+    "y[:, :, [3]] += 1": lambda x: _rows_set(x, (slice(None), slice(None), [3]), x[:, :, [3]] * 0 + 1) * x,
+    "y[:, [0, 2]] = 0 (a whole dim)": lambda x: _rows_set(x, (slice(None), [0, 2]), 0.0),
+}
 MASK_FAMILY: dict[str, Callable] = {
     "x[x > 0]": lambda x: x[x > 0],
     "x[x > 0.5] * 2": lambda x: x[x > 0.5] * 2,
@@ -100,7 +114,7 @@ ROLL_FAMILY: dict[str, Callable] = {
     "roll(1, 1)": lambda x: x.roll(1, 1),
     "roll(2, -2) twice": lambda x: x.roll(2, -2).roll(-1, 2) * 2,
 }
-FAMILIES = {"slice": SLICE_FAMILY, "select": SELECT_FAMILY, "mask": MASK_FAMILY, "roll": ROLL_FAMILY}
+FAMILIES = {"slice": SLICE_FAMILY, "select": SELECT_FAMILY, "put": PUT_FAMILY, "mask": MASK_FAMILY, "roll": ROLL_FAMILY}
 
 
 def _check(layout: str, family: str) -> list[str]:
@@ -238,6 +252,17 @@ def _select_gradient_keeps_the_split() -> None:
         assert x.grad._spec == x._spec and log.bytes_sent == 0, (x.grad._spec, log.bytes_sent)
 
 
+def _rows_set_by_a_list_send_nothing() -> None:
+    """``u[:, :, [0, -1]] = 0``: each rank writes the rows it owns (DTensor had no rule: it raised)."""
+    mesh, placements, sizes = sharding("4", "skewed", (2, 3, 7, 5))
+    x = distribute_tensor(randn((2, 3, 7, 5)), mesh, placements, sizes)
+    with count_communication() as log:
+        x[:, :, [0, -1]] = 0.0
+    full = x.full_tensor()
+    assert log.calls == 0 and x._spec.axis_sizes == (tuple(sizes[0]),)
+    assert bool((full[:, :, [0, 6]] == 0).all()) and bool((full[:, :, 1:6] != 0).all())
+
+
 def _leading_mask_stays_local() -> None:
     mesh, placements, sizes = sharding("4", "skewed", (1, 1, 11, 5))
     x = distribute_tensor(randn((1, 1, 11, 5)), mesh, placements, sizes)
@@ -262,6 +287,7 @@ TRAFFIC_CHECKS = [
     _index_select_fetches_needed_rows,
     _list_index_gradient_keeps_the_split,
     _select_gradient_keeps_the_split,
+    _rows_set_by_a_list_send_nothing,
     _leading_mask_stays_local,
     _unsupported_raises,
 ]
