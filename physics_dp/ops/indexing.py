@@ -220,7 +220,8 @@ def _select_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any
         raise IndexError(f"select(): index {index} out of range for dim {dim} of size {extent}")
     index %= extent
     sizes = spec.axis_sizes[axis]
-    owner = int(owner_ranks(torch.tensor(index), sizes))
+    # the owner from the split alone (no tensor: a compiled graph would read it back as data)
+    owner = next(r for r, (first, n) in enumerate(zip(offsets(sizes), sizes)) if first <= index < first + n)
     local_shape = list(spec.local_shape())
     del local_shape[dim]
     group = spec.mesh.get_group(axis)
@@ -349,7 +350,7 @@ def _index_put_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> 
     x, indices, values = args[:3]
     accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
     found = _picked_dim(x, indices) if isinstance(x, ShardTensor) and not x._spec.has_partial else None
-    if found is None or not isinstance(values, torch.Tensor):
+    if found is None or not isinstance(values, torch.Tensor) or is_tracing():  # (the routing reads the index's values)
         return propagate_and_run(op, args, kwargs)
     whole_values = _whole(values)
     dim, index = found

@@ -84,6 +84,10 @@ BLOCKS: dict[str, Callable[[], nn.Module]] = {
     "views_and_linear": lambda: nn.Sequential(_Lambda(lambda x: x.permute(0, 2, 3, 1).flatten(1, 2)), nn.Linear(4, 6)),
     "attention": lambda: _Lambda(_attention),
     "channel_mlp_on_tokens": lambda: _ChannelMLP(),
+    "activations_with_untagged_gradients": lambda: _Lambda(lambda x: F.relu6(3 * x) + F.hardswish(x) + F.prelu(x, torch.full((4,), 0.2))),
+    "loss_scaled_output": lambda: _Lambda(lambda x: x * F.mse_loss(x, x.detach() * 0.5)),
+    "patches_by_tensor_unfold": lambda: _Lambda(lambda x: x.unfold(2, 2, 2).unfold(3, 2, 2).flatten(-2).sum(-1)),
+    "row_selected_on_a_sharded_dim": lambda: _Lambda(lambda x: x * x[:, :, 5].unsqueeze(2)),
 }
 
 
