@@ -88,6 +88,9 @@ BLOCKS: dict[str, Callable[[], nn.Module]] = {
     "loss_scaled_output": lambda: _Lambda(lambda x: x * F.mse_loss(x, x.detach() * 0.5)),
     "patches_by_tensor_unfold": lambda: _Lambda(lambda x: x.unfold(2, 2, 2).unfold(3, 2, 2).flatten(-2).sum(-1)),
     "row_selected_on_a_sharded_dim": lambda: _Lambda(lambda x: x * x[:, :, 5].unsqueeze(2)),
+    "cross_entropy_over_the_grid": lambda: _Lambda(lambda x: x * F.cross_entropy(x, x.detach().argmax(1))),
+    "scans_and_topk": lambda: _Lambda(lambda x: x.cumsum(2) + x.topk(2, 2).values.sum(2, keepdim=True)),
+    "buckets": lambda: _Lambda(lambda x: x * torch.bucketize(x.detach(), torch.tensor([-0.5, 0.0, 0.5]))),
 }
 
 
