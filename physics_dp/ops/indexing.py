@@ -320,7 +320,7 @@ def _select_function_handler(func: Any, types: tuple, args: tuple, kwargs: dict)
 # ----- index_put: writing rows picked by a list along a sharded dim ------------------------------------
 def _picked_dim(tensor: ShardTensor, indices: Sequence[Any]) -> tuple[int, torch.Tensor] | None:
     """(dim, index) when ``indices`` (``index_put``'s) picks rows of one dim sharded over more than
-    one rank with a 1-D integer index every rank holds, the dims before it whole (``x[:, :, [0, 6]]``)."""
+    one rank with a 1-D integer index every rank holds, every other dim whole (``x[:, :, [0, 6]]``)."""
     picked = [(d, i) for d, i in enumerate(indices) if i is not None]
     if len(picked) != 1:
         return None
@@ -344,9 +344,8 @@ def _whole(values: torch.Tensor) -> torch.Tensor:
 def _index_put_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     """``x[..., [i, j]] = v`` (``index_put``, in place or not) along a sharded dim: each rank writes
     the picked rows it owns, from the values' matching rows; nothing is sent (values split over
-    ranks, a few rows, are gathered first).  DTensor has no
-    rule that writes into a sharded dim (it raised), so boundary rows set by a list
-    (``u[:, :, [0, -1]] = 0``) could not be written."""
+    ranks, a few rows, are gathered first).  DTensor has no rule that writes into a sharded dim
+    (it raised), so boundary rows set by a list (``u[:, :, [0, -1]] = 0``) could not be written."""
     x, indices, values = args[:3]
     accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
     found = _picked_dim(x, indices) if isinstance(x, ShardTensor) and not x._spec.has_partial else None
