@@ -53,6 +53,7 @@ __all__ = [
     "offsets",
     "owner_ranks",
     "axis_sharding",
+    "axis_splitting",
     "slice_plan",
     "RowPiece",
     "move_rows",
@@ -83,6 +84,12 @@ def axis_sharding(spec: ShardTensorSpec, dim: int) -> int | None:
         if type(placement) is Shard and placement.dim == dim:
             return axis
     return None
+
+
+def axis_splitting(spec: ShardTensorSpec, dim: int) -> int | None:
+    """The mesh axis that splits ``dim`` over more than one rank, if any (a size-1 axis holds it whole)."""
+    axis = axis_sharding(spec, dim)
+    return axis if axis is not None and spec.mesh.size(axis) > 1 else None
 
 
 def _meta_stride(spec: ShardTensorSpec, view: Any) -> tuple[int, ...]:
@@ -302,8 +309,7 @@ def sharded_select(tensor: ShardTensor, dim: int, index: int) -> torch.Tensor:
     """``tensor.select(dim, index)``, whose gradient comes back in ``tensor``'s own split."""
     row = run_default(torch.Tensor.select, (tensor, dim, index), {})
     spec = tensor._spec
-    axis = axis_sharding(spec, dim % tensor.ndim)
-    if row.grad_fn is not None and axis is not None and spec.mesh.size(axis) > 1 and not spec.has_partial and not is_tracing():
+    if row.grad_fn is not None and axis_splitting(spec, dim % tensor.ndim) is not None and not spec.has_partial and not is_tracing():
         _announce_select_source(row, spec.replace())
     return row
 
@@ -325,9 +331,8 @@ def _picked_dim(tensor: ShardTensor, indices: Sequence[Any]) -> tuple[int, torch
     if len(picked) != 1:
         return None
     dim, index = picked[0]
-    axis = axis_sharding(tensor._spec, dim)
     plain = replicated_plain(index)
-    if axis is None or tensor._spec.mesh.size(axis) == 1 or plain is None or plain.ndim != 1:
+    if axis_splitting(tensor._spec, dim) is None or plain is None or plain.ndim != 1:
         return None
     return (dim, plain) if plain.dtype in (torch.int64, torch.int32) else None
 

@@ -49,7 +49,7 @@ from ..shard_tensor.conversions import from_local_with_spec, redistribute_to_spe
 from ..shard_tensor.dispatch import run_default
 from ..shard_tensor.redistribute import without_partials
 from ._local import contiguous_result, gather_rows, slab_as
-from .indexing import axis_sharding
+from .indexing import axis_splitting
 from .moments import LOW_PRECISION
 
 __all__: list[str] = []
@@ -65,12 +65,6 @@ _COMBINE: dict[torch._ops.OpOverload, Combine] = {
 
 
 # ----- shared pieces -----------------------------------------------------------------------------
-def _axis_over(spec: ShardTensorSpec, dim: int) -> int | None:
-    """The mesh axis that shards ``dim`` (at most one does), if it spans more than one rank."""
-    axis = axis_sharding(spec, dim)
-    return axis if axis is not None and spec.mesh.size(axis) > 1 else None
-
-
 def _last_row(scan: torch.Tensor, dim: int) -> torch.Tensor:
     """The last row along ``dim`` (a rank's total); an empty slab sends a filler nobody combines."""
     n = scan.shape[dim]
@@ -126,7 +120,7 @@ def _scan_slab(
     op: torch._ops.OpOverload, local: torch.Tensor, dim: int, dtype: torch.dtype | None, spec: ShardTensorSpec
 ) -> torch.Tensor:
     """This rank's slab of the global scan: the local scan with the predecessors' total combined in."""
-    axis = _axis_over(spec, dim)
+    axis = axis_splitting(spec, dim)
     if axis is None:
         return op(local, dim) if dtype is None else op(local, dim, dtype=dtype)
     out_dtype = _scan_dtype(op, local, dtype)
@@ -148,7 +142,7 @@ def _reverse_scan_slab(op: torch._ops.OpOverload, local: torch.Tensor, dim: int,
     flips are local copies; low precision accumulates in float32, as the forward."""
     work = local.float() if local.dtype in LOW_PRECISION else local
     scan = op(work.flip(dim), dim).flip(dim)
-    axis = _axis_over(spec, dim)
+    axis = axis_splitting(spec, dim)
     following = _successors(spec, axis, [_first_row(scan, dim)]) if axis is not None else []
     if following and scan.numel():
         combine = _COMBINE[op]
@@ -183,7 +177,7 @@ def _merge(earlier: Running, later: Running, is_max: bool) -> Running:
 def _cum_extreme_slab(op: torch._ops.OpOverload, local: torch.Tensor, dim: int, spec: ShardTensorSpec) -> Running:
     """This rank's slab of the global running max/min and its global indices."""
     values, indices = op(local, dim)
-    axis = _axis_over(spec, dim)
+    axis = axis_splitting(spec, dim)
     if axis is None:
         return values, indices
     indices = indices + spec.offsets()[dim]
@@ -310,7 +304,7 @@ def _cumprod_grad(
     with torch.enable_grad():
         leaf = local.detach().requires_grad_(True)
         scan = aten.cumprod.default(leaf, dim) if dtype is None else aten.cumprod.default(leaf, dim, dtype=dtype)
-    axis = _axis_over(spec, dim)
+    axis = axis_splitting(spec, dim)
     cotangent = grad.to(scan.dtype)
     if axis is not None:
         products = _last_row(scan, dim).detach().conj_physical()
@@ -358,7 +352,7 @@ def _cum_extreme_grad(grad: torch.Tensor, indices: torch.Tensor, dim: int, spec:
     a prefix that names one row per column (the extreme carried in): their gradient sum and that index
     are all the other ranks need.
     """
-    axis = _axis_over(spec, dim)
+    axis = axis_splitting(spec, dim)
     start = spec.offsets()[dim] if axis is not None else 0
     extent = grad.shape[dim]
     inside = indices >= start
@@ -431,7 +425,7 @@ def _flip(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> ShardTensor:
     spec = without_partials(x._spec)
     dims = sorted({d % max(x.ndim, 1) for d in dims})
     flipped = op(slab_as(x, spec), dims)
-    axes = tuple(a for a in (_axis_over(spec, d) for d in dims) if a is not None)
+    axes = tuple(a for a in (axis_splitting(spec, d) for d in dims) if a is not None)
     if not axes:
         return contiguous_result(flipped, spec)
     axis_sizes = [tuple(reversed(s)) if a in axes else s for a, s in enumerate(spec.axis_sizes)]

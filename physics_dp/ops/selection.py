@@ -40,7 +40,7 @@ from ..shard_tensor.dispatch import run_default
 from ..shard_tensor.fallback import propagate_and_run
 from ..shard_tensor.redistribute import without_partials
 from ._local import contiguous_result, gather_rows, slab_as
-from .indexing import axis_sharding
+from .indexing import axis_splitting
 
 __all__: list[str] = []
 
@@ -60,8 +60,7 @@ def _plan(x: object, k: object, dim: object) -> tuple[int, int | None] | None:
     if not (isinstance(x, ShardTensor) and isinstance(k, int) and isinstance(dim, int) and -x.ndim <= dim < x.ndim):
         return None
     dim %= x.ndim
-    axis = axis_sharding(x._spec, dim)
-    return dim, None if axis is None or x._spec.mesh.size(axis) == 1 else axis
+    return dim, axis_splitting(x._spec, dim)
 
 
 def _out_spec(spec: ShardTensorSpec, dim: int, k: int) -> ShardTensorSpec:

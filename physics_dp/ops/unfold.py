@@ -41,6 +41,7 @@ from ._args import bind, per_dim, single_device_shape
 from ._local import local_input, sharded_axes, wrap_local_as
 from .conv import check_stencil_layout, conv_output_split, conv_windows, window_inside
 from .halo import Window, scatter_window
+from .indexing import axis_splitting
 from .pooling import DimSplit, Stencil, dim_split, drop_filler, fill_outside, gather_inside, output_axis_sizes, stencil_splits
 from .views import view_spec_in_place
 
@@ -191,10 +192,10 @@ def _sliding_windows(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
     if not isinstance(x, ShardTensor) or not all(type(v) is int for v in (dim, size, step)) or not x.ndim:
         return run_default(func, args, kwargs)
     dim %= x.ndim
-    axis, sizes, me = dim_split(x, dim)
-    if axis is None or x.device_mesh.size(axis) == 1 or not 0 < size <= x.shape[dim] or step <= 0:
+    if axis_splitting(x._spec, dim) is None or not 0 < size <= x.shape[dim] or step <= 0:
         return run_default(func, args, kwargs)  # a whole dim, or torch's own error
     check_stencil_layout("Tensor.unfold", x, (), None)
+    axis, sizes, me = dim_split(x, dim)
     count = (x.shape[dim] - size) // step + 1
     out_sizes = conv_output_split(sizes, count, size, step, 1, 0)
     split = DimSplit(dim, axis, sizes, out_sizes, conv_windows(out_sizes, sizes, size, step, 1, 0), me)
@@ -206,16 +207,12 @@ def _sliding_windows(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
     return wrap_local_as(windows, ShardTensorSpec(x.device_mesh, x.placements, shape, output_axis_sizes(x, [split])))
 
 
-def _split_over_ranks(spec: ShardTensorSpec, dim: int) -> bool:
-    return any(type(p) is Shard and p.dim == dim and spec.mesh.size(axis) > 1 for axis, p in enumerate(spec.placements))
-
-
 def _unfold_whole_dim(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     """``aten.unfold`` along a dim every rank holds whole: the slab's own view (DTensor has no rule)."""
     x, dim, size, step = args
     spec = x._spec
     dim %= max(x.ndim, 1)
-    if spec.has_partial or _split_over_ranks(spec, dim):
+    if spec.has_partial or axis_splitting(spec, dim) is not None:
         return propagate_and_run(op, args, kwargs)
     view = torch.empty_strided(spec.shape, spec.stride, device="meta").unfold(dim, size, step)
     out = ShardTensorSpec(spec.mesh, spec.placements, view.shape, spec.axis_sizes, view.stride())
@@ -227,7 +224,7 @@ def _unfold_backward_whole_dim(op: torch._ops.OpOverload, args: tuple, kwargs: d
     grad, input_sizes, dim, size, step = args
     spec = grad._spec
     dim %= len(input_sizes)
-    if spec.has_partial or _split_over_ranks(spec, dim) or _split_over_ranks(spec, grad.ndim - 1):
+    if spec.has_partial or axis_splitting(spec, dim) is not None or axis_splitting(spec, grad.ndim - 1) is not None:
         return propagate_and_run(op, args, kwargs)
     out = ShardTensorSpec(spec.mesh, spec.placements, input_sizes, spec.axis_sizes)
     return ShardTensor(op(grad._local_tensor, out.local_shape(), dim, size, step), out)
