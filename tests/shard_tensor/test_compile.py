@@ -91,6 +91,8 @@ BLOCKS: dict[str, Callable[[], nn.Module]] = {
     "cross_entropy_over_the_grid": lambda: _Lambda(lambda x: x * F.cross_entropy(x, x.detach().argmax(1))),
     "scans_and_topk": lambda: _Lambda(lambda x: x.cumsum(2) + x.topk(2, 2).values.sum(2, keepdim=True)),
     "buckets": lambda: _Lambda(lambda x: x * torch.bucketize(x.detach(), torch.tensor([-0.5, 0.0, 0.5]))),
+    "in_place_views": lambda: _Lambda(lambda x: (x * 2).unsqueeze_(0).transpose_(3, 4).squeeze_(0).transpose(2, 3)),
+    "quantile_over_h": lambda: _Lambda(lambda x: x - torch.quantile(x, 0.3, dim=2, keepdim=True)),
 }
 
 
