@@ -1,4 +1,5 @@
-"""In-place view ops (``squeeze_``, ``unsqueeze_``, ``transpose_``, ``t_``, ``swapdims_``, ``as_strided_``).
+"""In-place view ops (``squeeze_``, ``unsqueeze_``, ``transpose_``, ``t_``, ``swapdims_``, ``as_strided_``)
+and ``x.data = y``: what changes a ShardTensor's shape or contents in place.
 
 They change a tensor's shape and strides in place, so on a ShardTensor three things must change
 together: the slab, the spec (shape, placements) and the wrapper's own metadata.  Run on the slab
@@ -14,12 +15,18 @@ never takes the op itself: ``squeeze_()`` there would also drop dims that are 1 
 A view that moves data (``squeeze_`` of a size-1 dim split over ranks) raises on every rank: the
 tensor would have to change its slab under autograd.
 
+``x.data = y`` swapped only the wrapper's metadata, so ``x`` went on computing with its old slab
+(silently: ``x + 1`` gave the old values).  Now ``x`` takes ``y``'s slab and spec as well; a
+plain ``y`` raises, since it could be the global value or this rank's slab.
+
 As for every tensor subclass, autograd replays views rather than striding them, so a view taken
 *before* an in-place view op on its base and written *after* it gets a wrong gradient: torch's
 own tensors do the same with view replay on (``torch._C._set_view_replay_enabled``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
@@ -68,5 +75,19 @@ def _in_place_view(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Shar
     return return_and_correct_aliasing(op, args, kwargs, tensor)  # rewrites the wrapper's sizes and strides
 
 
+def _set_data(func: Any, types: tuple, args: tuple, kwargs: dict) -> None:
+    tensor, value = args
+    if not isinstance(value, ShardTensor):
+        raise TypeError(
+            f"cannot assign a {type(value).__name__} to the .data of a ShardTensor: it could be the global value or "
+            "this rank's slab; assign a ShardTensor (physics_dp.distribute_tensor(value, mesh, placements) or "
+            "ShardTensor.from_local(slab, mesh, placements)), or copy values in with x.copy_(...)"
+        )
+    tensor._local_tensor, tensor._spec = value._local_tensor, value._spec
+    with torch._C.DisableTorchFunctionSubclass():
+        func(tensor, value)  # the wrapper's own sizes, strides and dtype
+
+
 for _op in _OUT_OF_PLACE:
     ShardTensor.register_dispatch_handler(_op, _in_place_view, first=True)
+ShardTensor.register_function_handler(torch.Tensor.data.__set__, _set_data, every_layout=True)

@@ -47,6 +47,7 @@ DispatchHandler = Callable[[torch._ops.OpOverload, tuple, dict], Any]
 
 _function_handlers: dict[Any, FunctionHandler] = {}
 _strided_functions: set[Any] = set()
+_every_layout_functions: set[Any] = set()
 _dispatch_handlers: dict[torch._ops.OpOverload, DispatchHandler] = {}
 _strided_handlers: dict[torch._ops.OpOverload, DispatchHandler] = {}
 _first_handlers: dict[torch._ops.OpOverload, DispatchHandler] = {}
@@ -59,12 +60,13 @@ def bind_shard_tensor_class(cls: type) -> None:
     local_only.bind_shard_tensor_class(cls)
 
 
-def register_function_handler(func: Any, handler: FunctionHandler, strided: bool = False) -> None:
+def register_function_handler(func: Any, handler: FunctionHandler, strided: bool = False, every_layout: bool = False) -> None:
     _function_handlers[func] = handler
-    if strided:
-        _strided_functions.add(func)
-    else:
-        _strided_functions.discard(func)
+    for flag, registry in ((strided, _strided_functions), (every_layout, _every_layout_functions)):
+        if flag:
+            registry.add(func)
+        else:
+            registry.discard(func)
 
 
 def registered_function_handler(func: Any) -> FunctionHandler | None:
@@ -313,7 +315,7 @@ def _eager_torch_function(func: Any, types: tuple, args: tuple, kwargs: dict) ->
 
             args, kwargs = _map_strided(args, kwargs, without_strided_dims)
         like = local_only_spec(args, kwargs)
-        if like is None:
+        if like is None or func in _every_layout_functions:
             return handler(func, types, args, kwargs)
         if func in RETURNS_VIEWS:  # torch's own composite: its aten views stay views for autograd
             return run_default(func, args, kwargs)

@@ -173,13 +173,17 @@ class ShardTensor(torch.Tensor):
 
     # ----- registries ----------------------------------------------------------------------
     @staticmethod
-    def register_function_handler(func: Any, handler: dispatch.FunctionHandler, *, strided: bool = False) -> None:
+    def register_function_handler(
+        func: Any, handler: dispatch.FunctionHandler, *, strided: bool = False, every_layout: bool = False
+    ) -> None:
         """Route ``func`` (a torch function or method) to ``handler(func, types, args, kwargs)``.
 
         ``strided=True``: the handler also takes inputs with strided dims (``StridedShard``);
-        otherwise they reach it in a contiguous layout.
+        otherwise they reach it in a contiguous layout.  ``every_layout=True``: the handler also
+        takes layouts that need no communication, which otherwise run ``func`` on the slabs (for
+        functions that change the ShardTensor itself, such as ``x.data = y``).
         """
-        dispatch.register_function_handler(func, handler, strided=strided)
+        dispatch.register_function_handler(func, handler, strided=strided, every_layout=every_layout)
 
     @staticmethod
     def register_dispatch_handler(op: torch._ops.OpOverload, handler: dispatch.DispatchHandler, *, first: bool = False) -> None:

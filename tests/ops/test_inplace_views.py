@@ -1,8 +1,10 @@
-"""In-place view ops (squeeze_, unsqueeze_, transpose_, t_, swapdims_) keep slab, spec and wrapper in step.
+"""In-place view ops (squeeze_, unsqueeze_, transpose_, t_, swapdims_) and ``x.data = y`` keep slab,
+spec and wrapper in step.
 
 Before ``inplace_views.py`` they ran on the slab alone: the wrapper and its spec kept the old
 shape over a slab of the new one (on one-rank meshes and replicated tensors silently), and
 ``torch.quantile``, which ends in a ``squeeze_``, failed in backward on every sharded layout.
+``x.data = y`` changed only the wrapper: ``x`` went on computing with its old slab.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ FAMILY: dict[str, Callable] = {
     "squeeze_((1, 3)) of a kept sum": lambda x: x.sum((1, 3), keepdim=True).squeeze_((1, 3)) * 2,
     "t_() of a plane": lambda x: x[0, 0].clone().t_() * 2,
     "a write through a view of the transposed tensor": lambda x: _through_view(x),
+    "x.data = y, then x used": lambda x: _data_assigned(x),
     "quantile over H": lambda x: torch.quantile(x, 0.3, dim=2),
     "quantile over H and W, two q": lambda x: torch.quantile(x.flatten(2), torch.tensor([0.2, 0.7]), dim=2),
     "quantile of all": lambda x: torch.quantile(x, 0.5),
@@ -42,6 +45,12 @@ def _through_view(x: torch.Tensor) -> torch.Tensor:
     y = x.clone().transpose_(2, 3)
     y[:, :, 0].mul_(3)
     return y
+
+
+def _data_assigned(x: torch.Tensor) -> torch.Tensor:
+    y = x.clone()
+    y.data = (x * 3).data
+    return y + x
 
 
 def _check(layout: str) -> list[str]:
@@ -71,6 +80,17 @@ def _metadata_moves_together(world: int) -> None:
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_metadata_moves_together(world: int) -> None:
     run_on_ranks(world, _metadata_moves_together, world)
+
+
+def _plain_data_raises() -> None:
+    """A plain tensor could be the global value or the slab: refused, naming both ways to say which."""
+    x = distribute_tensor(torch.zeros(2, 4), get_mesh((2,)), [Shard(1)])
+    with pytest.raises(TypeError, match="distribute_tensor"):
+        x.data = torch.ones(2, 4)
+
+
+def test_plain_data_raises() -> None:
+    run_on_ranks(2, _plain_data_raises)
 
 
 def _squeezing_a_split_dim_raises() -> None:
