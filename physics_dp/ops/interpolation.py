@@ -9,6 +9,15 @@ are sent; taps are clamped to the grid, so no edge rows are ever needed), then r
 dim in turn with ``index_select`` and the weights.  ``mode='area'`` is adaptive average pooling,
 exact where it splits (see :mod:`physics_dp.ops.pooling`).  Without a sharded spatial dim
 (batch or channel shards) each rank runs torch's own op on its slab.
+
+``antialias=True`` (bilinear, bicubic, lanczos on 4-D inputs) is the same path with torch's
+antialias taps (:func:`_antialias_taps`): every row within the filter's support around the
+output's center, a support that downsampling by ``s`` widens ``s`` times, clamped to the grid
+and renormalized.  An output belongs to the rank holding its center, so a rank receives about
+a support's worth of rows from each neighbour; the last dim is resampled first, as torch does.
+A dim whose extent a scale factor other than 1 leaves unchanged raises under autograd: torch
+copies it forward but resamples it backward.  (torch's CPU kernel is also wrong for an output 1
+wide with H resized, every row getting the first row's taps; sharded results follow the filter.)
 """
 
 from __future__ import annotations
@@ -36,6 +45,8 @@ __all__ = ["Taps", "dim_taps", "resample", "uses_vectorized_nearest"]
 _ARGS = ("input", "size", "scale_factor", "mode", "align_corners", "recompute_scale_factor", "antialias")
 _DEFAULTS = {"mode": "nearest", "antialias": False}
 _CUBIC_A = -0.75
+_ANTIALIAS_CUBIC_A = -0.5  # torch's antialiased bicubic follows PIL, not OpenCV
+_ANTIALIAS_HALF_WIDTH = {"bilinear": 1.0, "bicubic": 2.0, "lanczos": 3.0}  # the filters' support at scale 1
 _ADAPTIVE_AVG = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.adaptive_avg_pool3d}
 _HALO_PLANS = PlanCache()
 
@@ -108,29 +119,89 @@ def _floor_and_fraction(position: torch.Tensor, extent: int) -> tuple[torch.Tens
     return row, (position - row.to(position.dtype)).clamp(0, 1)
 
 
+def _keys_near(x: torch.Tensor, a: float) -> torch.Tensor:
+    """Keys' cubic convolution kernel for distances ``|x| <= 1``."""
+    return ((a + 2) * x - (a + 3)) * x * x + 1
+
+
+def _keys_far(x: torch.Tensor, a: float) -> torch.Tensor:
+    """Keys' cubic convolution kernel for distances ``1 < |x| < 2``."""
+    return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+
+
 def _cubic_weights(t: torch.Tensor) -> torch.Tensor:
     """Keys' cubic convolution weights (A = -0.75) of taps floor-1 .. floor+2 for fraction ``t``."""
     a = _CUBIC_A
+    return torch.stack([_keys_far(t + 1, a), _keys_near(t, a), _keys_near(1 - t, a), _keys_far(2 - t, a)], dim=1)
 
-    def near(x: torch.Tensor) -> torch.Tensor:  # |x| <= 1
-        return ((a + 2) * x - (a + 3)) * x * x + 1
 
-    def far(x: torch.Tensor) -> torch.Tensor:  # 1 < |x| < 2
-        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+# ----- antialias: torch's (and PIL's) filters, stretched by the scale when downsampling -------
+def _antialias_filter(x: torch.Tensor, mode: str) -> torch.Tensor:
+    """The filter at distance ``x`` (in output pixels): triangle, Keys' cubic with a = -0.5, Lanczos-3."""
+    x = x.abs()
+    if mode == "bilinear":
+        return torch.where(x < 1, 1 - x, 0)
+    if mode == "bicubic":
+        a = _ANTIALIAS_CUBIC_A
+        return torch.where(x < 1, _keys_near(x, a), torch.where(x < 2, _keys_far(x, a), 0))
+    return torch.where(x < 3, torch.sinc(x) * torch.sinc(x / 3), 0)
 
-    return torch.stack([far(t + 1), near(t), near(1 - t), far(2 - t)], dim=1)
+
+def _normalized(weights: torch.Tensor) -> torch.Tensor:
+    """Weights divided by their sum (accumulated in torch's order), unless it is zero."""
+    total = weights[:, 0]
+    for tap in range(1, weights.shape[1]):
+        total = total + weights[:, tap]
+    return torch.where(total[:, None] != 0, weights / total[:, None], weights)
+
+
+def _antialias_taps(extent: int, out: int, mode: str, align_corners: bool, scale: float | None, dtype: torch.dtype) -> Taps:
+    """torch's antialiased taps: the rows within the filter's support around each output's center.
+
+    Downsampling by ``s`` widens the support ``s`` times (so every input row counts); the window
+    is clamped to the grid and the weights renormalized, so the edges need no rows beyond it.
+    Each step rounds where torch's kernel does (``dtype``, double intermediates): the rows are
+    torch's, the weights agree to an ulp.  An output is owned by the row holding its center.
+    """
+    s = _linear_scale(extent, out, align_corners, scale, dtype).double()
+    half_width = _ANTIALIAS_HALF_WIDTH[mode]
+    wide = bool(s >= 1)
+    support = (half_width * s).to(dtype) if wide else torch.tensor(half_width, dtype=dtype)
+    inverse = (1 / s).to(dtype) if wide else torch.ones((), dtype=dtype)
+    center = (s * (torch.arange(out, dtype=torch.float64) + 0.5)).to(dtype)
+    lo = ((center - support).double() + 0.5).long().clamp(min=0)
+    hi = ((center + support).double() + 0.5).long().clamp(max=extent)
+    count = (hi - lo).clamp(0, 2 * int(support.ceil()) + 1)
+    j = torch.arange(int(count.max()))
+    distance = ((((lo[:, None] + j).to(dtype) - center[:, None]).double() + 0.5) * inverse.double()).to(dtype)
+    weights = torch.where(j < count[:, None], _antialias_filter(distance, mode), 0)
+    rows = lo[:, None] + torch.minimum(j, count[:, None] - 1).clamp(min=0)  # past its count: its last row, weight 0
+    return Taps(rows, _normalized(weights), center.long().clamp(max=extent - 1))
 
 
 @functools.lru_cache(maxsize=256)
 def dim_taps(
-    extent: int, out: int, mode: str, align_corners: bool, scale: float | None, dtype: torch.dtype, vectorized: bool = False
+    extent: int,
+    out: int,
+    mode: str,
+    align_corners: bool,
+    scale: float | None,
+    dtype: torch.dtype,
+    vectorized: bool = False,
+    antialias: bool = False,
 ) -> Taps:
     """Taps of ``out`` outputs resampled from ``extent`` rows.
 
     ``scale`` is the user's scale factor when torch uses it (given and not recomputed), else
     None; ``dtype`` is the precision of the coordinates (float64 for double inputs, else float32);
-    ``vectorized``: whether torch's vectorized nearest kernel runs (see :func:`_nearest_rows`).
+    ``vectorized``: whether torch's vectorized nearest kernel runs (see :func:`_nearest_rows`);
+    ``antialias``: torch's antialiased kernel, which leaves an unchanged extent as it is.
     """
+    if antialias:
+        if out == extent:
+            rows = torch.arange(out)
+            return Taps(rows[:, None], None, rows)
+        return _antialias_taps(extent, out, mode, align_corners, scale, dtype)
     if mode in ("nearest", "nearest-exact"):
         rows = _nearest_rows(extent, out, scale, mode == "nearest-exact", vectorized, dtype)
         return Taps(rows[:, None], None, rows)
@@ -218,7 +289,7 @@ def _native_factors(x: ShardTensor, bound: dict[str, Any], out_shape: torch.Size
     input starts at row ``lo`` and the output at ``k * lo``; the window holds every tap of the
     rank's outputs, and it reaches a global edge exactly where torch's clamping does.
     """
-    if bound["mode"] not in _NATIVE_MODES or bound["align_corners"]:
+    if bound["mode"] not in _NATIVE_MODES or bound["align_corners"] or bound["antialias"]:
         return None
     factors = []
     for dim, scale in zip(range(2, x.ndim), _scales(bound, x.ndim - 2)):
@@ -290,7 +361,7 @@ def _resize_splits(
     with outside_trace():
         for dim, scale in zip(range(2, x.ndim), _scales(bound, x.ndim - 2)):
             axis, sizes, me = dim_split(x, dim)
-            taps = dim_taps(x.shape[dim], out_shape[dim], mode, align_corners, scale, dtype, vectorized)
+            taps = dim_taps(x.shape[dim], out_shape[dim], mode, align_corners, scale, dtype, vectorized, bool(bound["antialias"]))
             plans.append((_split(taps, dim, axis, sizes, me, None if factors is None else factors[dim - 2]), taps))
     return plans
 
@@ -299,7 +370,7 @@ def _halo_resample_plan(func: Any, bound: dict[str, Any], x: ShardTensor) -> Hal
     """torch's kernel on the slab, borders from the neighbours' rows (:mod:`.halo_resample`): when the
     factors are native, exactly one resized dim is sharded, and its borders allow it."""
     if bound["antialias"] or bound["mode"] == "area":
-        return None  # refused, or adaptive pooling: the handler's other paths
+        return None  # the stretched filter's taps, or adaptive pooling: the handler's other paths
     out_shape = _global_shape(func, bound, x)
     factors = _native_factors(x, bound, out_shape)
     if factors is None:
@@ -319,6 +390,16 @@ def _halo_resample_plan(func: Any, bound: dict[str, Any], x: ShardTensor) -> Hal
     return HaloPlan(geometry, split.axis, out_spec)
 
 
+def _kept_despite_the_factor(x: ShardTensor, bound: dict[str, Any], out_shape: torch.Size) -> list[int]:
+    """Dims whose extent an antialiased resize keeps though their scale factor is not 1.
+
+    torch's antialias forward copies them, but its backward resamples them with the factor's
+    weights: no gradient of the forward, so nothing sharded can equal it.
+    """
+    scales = _scales(bound, x.ndim - 2)
+    return [dim for dim, scale in zip(range(2, x.ndim), scales) if out_shape[dim] == x.shape[dim] and scale not in (None, 1.0)]
+
+
 def _resize(x: ShardTensor, bound: dict[str, Any], out_shape: torch.Size) -> ShardTensor:
     """The general path: the window of input rows each rank's outputs read, resampled locally."""
     mode = bound["mode"]
@@ -334,7 +415,7 @@ def _resize(x: ShardTensor, bound: dict[str, Any], out_shape: torch.Size) -> Sha
         )
         local = _Crop.apply(local, crops)
     else:
-        for split, taps in plans:
+        for split, taps in plans[::-1] if bound["antialias"] else plans:  # torch's antialias kernel: last dim first
             local = resample(local, split.dim, taps, split.first, split.count, split.window[0])
     return wrap_local(local, x, out_shape, output_axis_sizes(x, splits))
 
@@ -397,11 +478,13 @@ def _interpolate_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> 
         return wrap_local_as(local, plan.out_spec)
     out_shape = _global_shape(func, bound, x)
     mode = bound["mode"]
-    if bound["antialias"]:
+    differentiated = x.requires_grad and torch.is_grad_enabled()
+    kept = _kept_despite_the_factor(x, bound, out_shape) if bound["antialias"] and differentiated else []
+    if kept:
         raise ShardedOpError(
             "interpolate", [x],
-            f"antialias=True (mode {mode!r}) widens the filter with the scale on sharded spatial dims; "
-            "use antialias=False, or shard only batch or channel dims",
+            f"antialias=True keeps dims {kept} as they are, but torch's backward resamples them with their scale factor "
+            "(not the forward's gradient); give size=, recompute_scale_factor=True, or a factor of 1.0 for them",
         )
     if mode == "area":
         return _ADAPTIVE_AVG[x.ndim - 2](x, list(out_shape[2:]))
