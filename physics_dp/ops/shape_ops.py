@@ -96,6 +96,24 @@ def _squeeze_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Sh
     return ShardTensor(aten.squeeze.dims(local, dims), out)
 
 
+# ----- expand --------------------------------------------------------------------------------------------
+def _expand_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """``expand`` of a size-1 dim split over ranks (one rank holds the row, the others none):
+    that axis is replicated first, one row sent, so every rank broadcasts the row (DTensor has no
+    rule: it raised).  The result is a view of the replicated row, as torch's is of the row."""
+    tensor, sizes = args[0], args[1]
+    spec = tensor._spec
+    lead = len(sizes) - tensor.ndim
+    widened = [
+        axis for axis, p in enumerate(spec.placements)
+        if type(p) is Shard and spec.shape[p.dim] == 1 and sizes[lead + p.dim] not in (1, -1)
+    ]
+    if widened:
+        needed = _replicating(spec, widened)
+        tensor = ShardTensor(redistribute_local(tensor._local_tensor, spec, needed), needed)
+    return propagate_and_run(op, (tensor, *args[1:]), kwargs)
+
+
 # ----- split / chunk -------------------------------------------------------------------------------------
 def _split_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     tensor, split = args[0], args[1]
@@ -306,5 +324,6 @@ for _op in (aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims):
 for _op in (aten.split.Tensor, aten.split_with_sizes.default):
     ShardTensor.register_dispatch_handler(_op, _split_handler)
 ShardTensor.register_dispatch_handler(aten.unbind.int, _unbind_handler)
+ShardTensor.register_dispatch_handler(aten.expand.default, _expand_handler)
 ShardTensor.register_dispatch_handler(aten.pixel_unshuffle.default, _pixel_unshuffle_handler)
 ShardTensor.register_dispatch_handler(aten.cat.default, _cat_handler)

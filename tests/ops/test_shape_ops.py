@@ -1,4 +1,4 @@
-"""squeeze, unsqueeze, flatten, unflatten, permute, transpose, unbind, split, chunk, cat and stack on uneven shards.
+"""squeeze, unsqueeze, flatten, unflatten, permute, transpose, unbind, split, chunk, cat, stack and expand on uneven shards.
 
 Layouts: 1-4 ranks sharding H; a 2x2 mesh sharding H over one axis and W over the other; a 2x2
 mesh sharding the batch and H (data x domain).
@@ -140,6 +140,13 @@ CAT_FAMILY: dict[str, Callable] = {
     "stack([x, 2x], -1)": lambda x: torch.stack([x, 2 * x], -1),
     "stack(x.unbind(2), 2)": lambda x: torch.stack(x.unbind(2), 2),
 }
+# A size-1 slice of a sharded dim keeps the split (one rank holds the row): expanding it replicates the row.
+EXPAND_FAMILY: dict[str, Callable] = {
+    "x[:, :, :1].expand_as(x)": lambda x: x[:, :, :1].expand_as(x) * x,
+    "x[:, :, -1:].expand(-1, -1, H, -1)": lambda x: x[:, :, -1:].expand(-1, -1, x.shape[2], -1) - x,
+    "x[..., 1:2].expand(4, *x.shape)": lambda x: x[..., 1:2].expand(4, *x.shape).sum(0) + x,
+    "broadcast_to(x[:, :, 2:3], x.shape)": lambda x: torch.broadcast_to(x[:, :, 2:3], x.shape) + x,
+}
 # Two inputs of one shape: the first sharded with the split's sizes, the second balanced.
 TWO_INPUT_FAMILY: dict[str, Callable] = {
     "cat([x, y], 2)": lambda x, y: torch.cat([x, y], 2),
@@ -148,7 +155,9 @@ TWO_INPUT_FAMILY: dict[str, Callable] = {
     "stack([x, y], 2)": lambda x, y: torch.stack([x, y], 2),
     "stack([y, x], 0)": lambda x, y: torch.stack([y, x], 0),
 }
-FAMILIES = {"squeeze": SQUEEZE_FAMILY, "permute": PERMUTE_FAMILY, "split": SPLIT_FAMILY, "cat": CAT_FAMILY}
+FAMILIES = {
+    "squeeze": SQUEEZE_FAMILY, "permute": PERMUTE_FAMILY, "split": SPLIT_FAMILY, "cat": CAT_FAMILY, "expand": EXPAND_FAMILY,
+}
 
 
 def _check(layout: str, family: str) -> list[str]:
