@@ -491,7 +491,6 @@ def _mha_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
     query, key, value = a["query"], a["key"], a["value"]
     tensors = [t for t in (query, key, value) if isinstance(t, ShardTensor)]
     unsupported = {
-        "need_weights=True (pass need_weights=False)": a.get("need_weights", True),
         "bias_k/bias_v": a.get("bias_k") is not None or a.get("bias_v") is not None,
         "add_zero_attn": a.get("add_zero_attn", False),
         "key_padding_mask (fold it into attn_mask)": a.get("key_padding_mask") is not None,
@@ -520,13 +519,37 @@ def _mha_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
     k = heads_first(key, weights[1], biases[1], src_len)
     v = heads_first(value, weights[2], biases[2], src_len)
     mask = a.get("attn_mask")
+    if mask is not None and mask.dtype == torch.bool:  # torch's MHA masks where True; SDPA keeps where True
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=mask.device).masked_fill_(mask, float("-inf"))
     if mask is not None and mask.dim() == 3:
         mask = mask.view(batch, heads, tgt_len, src_len)
     causal = bool(a.get("is_causal", False)) and mask is None
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    weights = None
+    if a.get("need_weights", True):
+        out, weights = _attention_with_weights(q, k, v, mask, causal)
+        if a.get("average_attn_weights", True):
+            weights = weights.mean(1)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
     out = out.permute(2, 0, 1, 3).reshape(tgt_len * batch, embed)
     out = F.linear(out, a["out_proj_weight"], a["out_proj_bias"])
-    return out.view(tgt_len, batch, embed), None
+    return out.view(tgt_len, batch, embed), weights
+
+
+def _attention_with_weights(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention that also returns its (N, heads, L, S) weights, as torch's MHA does for
+    ``need_weights=True``: the weights are materialized there too, so the ring buys nothing.
+    Each rank computes the rows of its queries against every key (the keys gathered by the
+    sharded matmul), so it holds L / ranks rows of the weights."""
+    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
+    if causal:
+        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    if mask is not None:
+        scores = scores + mask
+    weights = scores.softmax(-1)
+    return weights @ v, weights
 
 
 ShardTensor.register_function_handler(F.scaled_dot_product_attention, _sdpa_handler, strided=True)

@@ -157,14 +157,19 @@ def test_unsupported_attention_raises_with_reason():
 
 
 class _SelfAttention(torch.nn.Module):
-    def __init__(self, causal: bool) -> None:
+    """Self-attention; with ``need_weights`` the output and the weights (averaged over heads or not)."""
+
+    def __init__(self, causal: bool, need_weights: bool = False, average: bool = True) -> None:
         super().__init__()
         self.attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
-        self.causal = causal
+        self.causal, self.need_weights, self.average = causal, need_weights, average
 
     def forward(self, x):
         mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).triu(1) if self.causal else None
-        return self.attn(x, x, x, need_weights=False, attn_mask=mask)[0]
+        out, weights = self.attn(
+            x, x, x, need_weights=self.need_weights, attn_mask=mask, average_attn_weights=self.average
+        )
+        return (out, weights) if self.need_weights else out
 
 
 def _mha(mesh_shape, causal):
@@ -172,13 +177,10 @@ def _mha(mesh_shape, causal):
     torch.manual_seed(0)
     x = torch.randn(2, 11, 8)
     placements = [Shard(1)] if mesh.ndim == 1 else [Shard(0), Shard(1)]
-    assert_sharded_matches(_SelfAttention(causal), [x], mesh, [placements], atol=1e-5, rtol=1e-4)
-    module, xs = _SelfAttention(causal).attn, distribute_tensor(x, mesh, placements)
-    if mesh.size() == 1:  # the slab is the whole sequence: torch's own module, weights included
-        torch.testing.assert_close(module(xs, xs, xs)[1].full_tensor(), module(x, x, x)[1])
-        return True
-    with pytest.raises(ShardedOpError, match="need_weights=True"):
-        module(xs, xs, xs)
+    for need_weights, average in ((False, True), (True, True), (True, False)):
+        torch.manual_seed(0)
+        module = _SelfAttention(causal, need_weights, average)
+        assert_sharded_matches(module, [x], mesh, [placements], atol=1e-5, rtol=1e-4)
     return True
 
 
@@ -186,6 +188,33 @@ def _mha(mesh_shape, causal):
 @pytest.mark.parametrize("mesh_shape", LAYOUTS, ids=str)
 def test_multihead_attention_module_matches_single_device(mesh_shape, causal):
     run_on_ranks(math.prod(mesh_shape), _mha, mesh_shape, causal)
+
+
+def _functional_mha_with_a_bool_mask(x: torch.Tensor, need_weights: bool):
+    """``F.multi_head_attention_forward`` called directly: its bool mask marks what may *not* be attended."""
+    torch.manual_seed(0)
+    module = torch.nn.MultiheadAttention(8, 2)
+    mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).triu(1)
+    t = x.transpose(0, 1)
+    out, weights = F.multi_head_attention_forward(
+        t, t, t, 8, 2, module.in_proj_weight, module.in_proj_bias, None, None, False, 0.0,
+        module.out_proj.weight, module.out_proj.bias, training=False, attn_mask=mask, need_weights=need_weights,
+    )
+    return (out, weights) if need_weights else out
+
+
+def _functional_mha(world: int) -> bool:
+    x = torch.randn(2, 11, 8, generator=torch.Generator().manual_seed(0))
+    for need_weights in (False, True):
+        fn = functools.partial(_functional_mha_with_a_bool_mask, need_weights=need_weights)
+        assert_sharded_matches(fn, [x], get_mesh((world,)), [[Shard(1)]], atol=1e-5, rtol=1e-4)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_functional_mha_bool_mask_masks_what_torch_masks(world):
+    """It was passed to SDPA as it was, where True means *attend*: the mask was inverted (off by 1.09)."""
+    run_on_ranks(world, _functional_mha, world)
 
 
 def _bf16_ring(world: int, value_dim: int) -> float:
