@@ -19,6 +19,11 @@
   sharded by rank order, each rank holding what it selected (uneven sizes), in global order.
 - ``x[..., [i, j]] = v`` (``index_put``) along a sharded dim: each rank writes the picked rows it
   owns; nothing is sent but the values when they are split.
+- ``x[mask] = v`` and ``masked_scatter`` with a boolean mask of ``x``'s shape (any layout, or plain):
+  one value (a number, a one-element tensor) is a local fill, nothing sent; a 1-D vector of
+  values (``x[mask] = y[mask]``; ``masked_scatter``'s source, of which the first ones are used)
+  is read in global row-major order: after one exchange of per-row counts each rank fetches only
+  the values it writes.  A sharded source of more than one dim raises (pass 1-D, or replicate it).
 
 Function-level handlers use ``autograd.Function``s whose backward knows the input's exact split;
 aten-level handlers run below autograd, whose backward ops reach dispatch again.
@@ -920,6 +925,204 @@ def _masked_select_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -
     return run_default(func, args, kwargs)
 
 
+# ----- boolean-mask assignment --------------------------------------------------------------------------
+def _mask_slab(tensor: ShardTensor, mask: torch.Tensor) -> torch.Tensor:
+    """``mask``'s slab in ``tensor``'s layout: a plain mask is cut locally, a sharded one moved."""
+    spec = tensor._spec
+    mask_spec = ShardTensorSpec(spec.mesh, spec.placements, spec.shape, spec.axis_sizes)
+    if isinstance(mask, ShardTensor):
+        return redistribute_to_spec(mask.detach(), mask_spec)._local_tensor
+    return distribute_tensor(mask, spec.mesh, spec.placements, _split(spec))._local_tensor
+
+
+def _splitting_axes(spec: ShardTensorSpec) -> list[int]:
+    return [a for a in spec.sharded_axes() if spec.mesh.size(a) > 1]
+
+
+@dataclass(frozen=True)
+class _Pieces:
+    """Where every rank's True elements sit in the global row-major order.
+
+    A piece is one row of a slab over the dims before the last split one: its True elements form
+    one run of that order.  ``counts`` / ``starts`` (CPU) have the global shape of those dims plus
+    one dim for the ranks along the last split axis (``last``; None for an unsplit tensor).
+    """
+
+    counts: torch.Tensor
+    starts: torch.Tensor
+    last: int | None
+
+    @property
+    def total(self) -> int:
+        return int(self.counts.sum())
+
+    def positions(self, spec: ShardTensorSpec, coordinate: Sequence[int]) -> torch.Tensor:
+        """Global positions, in slab order, of the True elements of the rank at ``coordinate``."""
+        index: list[Any] = [slice(None)] * (self.counts.ndim - 1) + [0 if self.last is None else coordinate[self.last]]
+        for axis in _splitting_axes(spec):
+            if axis != self.last:
+                sizes = spec.axis_sizes[axis]
+                first = offsets(sizes)[coordinate[axis]]
+                index[spec.shard_dim(axis)] = slice(first, first + sizes[coordinate[axis]])
+        return _runs(self.starts[tuple(index)].reshape(-1), self.counts[tuple(index)].reshape(-1))
+
+
+def _pieces(local_mask: torch.Tensor, spec: ShardTensorSpec, op: str, tensor: ShardTensor) -> _Pieces:
+    """Gather every rank's count per piece (one int per row of the leading dims), axis by axis."""
+    axes = _splitting_axes(spec)
+    if len({spec.shard_dim(a) for a in axes}) != len(axes):
+        raise ShardedOpError(op, [tensor], "a dim split over two mesh axes is not supported; redistribute first")
+    if not axes:
+        counts, last = local_mask.sum().view(1).cpu(), None
+    else:
+        last = max(axes, key=spec.shard_dim)
+        dim = spec.shard_dim(last)
+        counts = local_mask.flatten(dim).sum(-1).unsqueeze(-1)
+        counts = collectives.all_gather_along_dim(counts, [1] * spec.mesh.size(last), dim, spec.mesh.get_group(last))
+        for axis in axes:
+            if axis != last:
+                group = spec.mesh.get_group(axis)
+                counts = collectives.all_gather_along_dim(counts, spec.axis_sizes[axis], spec.shard_dim(axis), group)
+        counts = counts.cpu()
+    flat = counts.reshape(-1)
+    return _Pieces(counts, (torch.cumsum(flat, 0) - flat).view(counts.shape), last)
+
+
+@dataclass(frozen=True)
+class _TakePlan:
+    """Which values of a 1-D vector (in global order) this rank writes, and from whom.
+
+    ``serve[q]``: positions in my block of the values rank ``q`` of ``group`` writes (the whole
+    vector, no ``group``: a replicated vector is read locally); ``take[q]``: how many I get from
+    ``q``; the values' gradient is summed over ``sum_groups`` (other ranks wrote other values).
+    """
+
+    serve: tuple[torch.Tensor, ...]
+    take: tuple[int, ...]
+    length: int
+    group: ProcessGroup | None
+    sum_groups: tuple[ProcessGroup, ...]
+
+
+def _take_plan(pieces: _Pieces, spec: ShardTensorSpec, vector: ShardTensorSpec | None, length: int) -> _TakePlan:
+    me = spec.coordinate()
+    mine = pieces.positions(spec, me)
+    splitting = _splitting_axes(spec)
+    axis = None if vector is None else next(iter(_splitting_axes(vector)), None)
+    sum_groups = tuple(spec.mesh.get_group(a) for a in splitting if a != axis)
+    if axis is None:
+        return _TakePlan((mine,), (len(mine),), length, None, sum_groups)
+    sizes = vector.axis_sizes[axis]
+    bounds = torch.tensor(offsets(sizes) + [sum(sizes)])
+    lo, hi = int(bounds[me[axis]]), int(bounds[me[axis] + 1])
+    serve = []
+    for peer in range(len(sizes)):
+        theirs = pieces.positions(spec, [peer if a == axis else c for a, c in enumerate(me)])
+        serve.append(theirs[(theirs >= lo) & (theirs < hi)] - lo)
+    take = torch.searchsorted(mine, bounds).diff().tolist()
+    return _TakePlan(tuple(serve), tuple(take), hi - lo, spec.mesh.get_group(axis), sum_groups)
+
+
+class _TakeValues(torch.autograd.Function):
+    """The values this rank writes, in slab order; backward sends each gradient to the value's holder."""
+
+    @staticmethod
+    def forward(ctx, values: torch.Tensor, plan: _TakePlan) -> torch.Tensor:  # type: ignore[override]
+        ctx.plan = plan
+        chunks = [values[rows.to(values.device)] for rows in plan.serve]
+        if plan.group is None:
+            return chunks[0]
+        return torch.cat(collectives.all_to_all_chunks(chunks, [[n] for n in plan.take], plan.group))
+
+    @staticmethod
+    @once_differentiable  # the exchange back is not differentiated: refuse a double backward
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        plan = ctx.plan
+        back = [grad]
+        if plan.group is not None:
+            back = collectives.all_to_all_chunks(list(grad.split(list(plan.take))), [[len(r)] for r in plan.serve], plan.group)
+        rows = torch.cat(plan.serve).to(grad.device)
+        values_grad = grad.new_zeros(plan.length).index_put_((rows,), torch.cat(back))
+        for group in plan.sum_groups:
+            values_grad = collectives.all_reduce(values_grad, "sum", group)
+        return values_grad, None
+
+
+def _vector(values: torch.Tensor, mesh: Any) -> tuple[torch.Tensor, ShardTensorSpec | None]:
+    """A 1-D vector's slab (autograd-linked) and its layout, split over one mesh axis at most."""
+    if not isinstance(values, ShardTensor):
+        return values, None
+    spec = values._spec
+    axes = _splitting_axes(spec)
+    placements = [Shard(0) if axes and a == axes[0] else Replicate() for a in range(mesh.ndim)]
+    sizes = [spec.axis_sizes[a] if axes and a == axes[0] else None for a in range(mesh.ndim)]
+    values = redistribute_to_spec(values, ShardTensorSpec(mesh, placements, spec.shape, sizes))
+    return to_local(values), (values._spec if axes else None)
+
+
+def masked_write(tensor: ShardTensor, mask: torch.Tensor, values: Any, op: str, inplace: bool) -> ShardTensor:
+    """``tensor`` with its True positions set: one value (python or numel 1) everywhere, nothing
+    sent; else the values of a 1-D vector in global row-major order (``x[mask] = v`` needs all
+    of them, ``masked_scatter`` its first ones), each rank fetching only those it writes.
+
+    Every check depends on layouts and global counts only, so every rank raises alike.
+    """
+    spec = tensor._spec
+    if spec.has_partial or any(type(p) not in (Shard, Replicate) for p in spec.placements):
+        raise ShardedOpError(op, [tensor], "the destination must be sharded or replicated (redistribute it first)")
+    if isinstance(values, ShardTensor) and values._spec.mesh is not spec.mesh:
+        raise ShardedOpError(op, [tensor, values], "the values live on another mesh")
+    local_mask = _mask_slab(tensor, mask)
+    if op == "x[mask] = v" and (not isinstance(values, torch.Tensor) or values.numel() == 1):
+        fill = values.reshape(()) if isinstance(values, torch.Tensor) else values
+        sharded_mask = ShardTensor(local_mask, ShardTensorSpec(spec.mesh, spec.placements, spec.shape, spec.axis_sizes))
+        return (tensor.masked_fill_ if inplace else tensor.masked_fill)(sharded_mask, fill)
+    if is_tracing():
+        raise ShardedOpError(op, [tensor], "the mask's values route the write; run it outside torch.compile")
+    pieces = _pieces(local_mask, spec, op, tensor)
+    if op == "x[mask] = v":
+        while values.ndim > 1 and values.shape[0] == 1:
+            values = values[0]
+        if values.ndim != 1 or len(values) != pieces.total:
+            raise IndexError(f"{op}: value of shape {list(values.shape)} cannot be broadcast to indexing result of shape [{pieces.total}]")
+    else:
+        if isinstance(values, ShardTensor) and values.ndim > 1 and _splitting_axes(values._spec):
+            raise ShardedOpError(
+                op, [tensor, values], "a sharded multi-dim source is not supported: pass a 1-D source (e.g. "
+                "src[mask]), or src.full_tensor(); torch.where(mask, src, x) writes src position by position"
+            )
+        values = values.reshape(-1)
+        if values.numel() < pieces.total:
+            raise RuntimeError(f"{op}: number of elements of source < number of ones in mask")
+    if values.dtype != tensor.dtype:
+        raise RuntimeError(f"{op}: expected values of dtype {tensor.dtype}, got {values.dtype}")
+    local_values, layout = _vector(values, spec.mesh)
+    taken = _TakeValues.apply(local_values, _take_plan(pieces, spec, layout, local_values.numel()))
+    result = from_local_with_spec(to_local(tensor).masked_scatter(local_mask, taken), spec.replace())
+    return tensor.copy_(result) if inplace else result
+
+
+def _setitem_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> None:
+    """``x[mask] = v`` with a boolean mask of ``x``'s shape: torch's ``index_put_`` on the slab
+    would read the whole mask against the slab; the write is done sharded and copied in place."""
+    tensor, key, values = args
+    mask = key[0] if isinstance(key, tuple) and len(key) == 1 else key
+    if not _is_mask_of(tensor, mask) or tensor._spec.local_only:  # (local-only: torch's own write on the slab)
+        return run_default(func, args, kwargs)
+    masked_write(tensor, mask, values, "x[mask] = v", inplace=True)
+
+
+def _masked_scatter_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
+    """``masked_scatter`` (DTensor has no rule): the source's first values in row-major order go
+    to the True positions, each rank fetching those it writes."""
+    tensor = args[0]
+    mask = args[1] if len(args) > 1 else kwargs.get("mask")
+    source = args[2] if len(args) > 2 else kwargs.get("source")
+    if not _is_mask_of(tensor, mask) or tensor._spec.local_only or not isinstance(source, torch.Tensor):
+        return run_default(func, args, kwargs)
+    return masked_write(tensor, mask, source, "masked_scatter", inplace=func is torch.Tensor.masked_scatter_)
+
+
 # ----- registration -----------------------------------------------------------------------------------------
 ShardTensor.register_dispatch_handler(aten.slice.Tensor, _slice_handler)
 ShardTensor.register_dispatch_handler(aten.slice_backward.default, _slice_backward_handler)
@@ -935,5 +1138,9 @@ for _func in (torch.gather, torch.Tensor.gather):
 for _func in (torch.masked_select, torch.Tensor.masked_select):
     ShardTensor.register_function_handler(_func, _masked_select_handler)
 ShardTensor.register_function_handler(torch.Tensor.__getitem__, _getitem_handler)
+# in place: the handlers must see the tensor itself, in every layout (not a converted copy or its slab)
+ShardTensor.register_function_handler(torch.Tensor.__setitem__, _setitem_handler, strided=True, every_layout=True)
+for _func in (torch.masked_scatter, torch.Tensor.masked_scatter, torch.Tensor.masked_scatter_):
+    ShardTensor.register_function_handler(_func, _masked_scatter_handler, strided=True, every_layout=True)
 for _func in (torch.select, torch.Tensor.select):
     ShardTensor.register_function_handler(_func, _select_function_handler)

@@ -54,6 +54,12 @@ def _conv_block() -> nn.Module:
     return nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.SiLU(), nn.Conv2d(8, 4, 3, padding=1))
 
 
+def _zero_where_large(x: torch.Tensor) -> torch.Tensor:
+    y = x * 2
+    y[y > 0.5] = 0.0
+    return y
+
+
 def _fft(x: torch.Tensor) -> torch.Tensor:
     return torch.fft.fft2(x).abs()
 
@@ -93,6 +99,7 @@ BLOCKS: dict[str, Callable[[], nn.Module]] = {
     "buckets": lambda: _Lambda(lambda x: x * torch.bucketize(x.detach(), torch.tensor([-0.5, 0.0, 0.5]))),
     "in_place_views": lambda: _Lambda(lambda x: (x * 2).unsqueeze_(0).transpose_(3, 4).squeeze_(0).transpose(2, 3)),
     "quantile_over_h": lambda: _Lambda(lambda x: x - torch.quantile(x, 0.3, dim=2, keepdim=True)),
+    "mask_assignment_of_a_value": lambda: _Lambda(_zero_where_large),
 }
 
 
