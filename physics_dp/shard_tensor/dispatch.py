@@ -320,6 +320,11 @@ def _eager_torch_function(func: Any, types: tuple, args: tuple, kwargs: dict) ->
         if func in RETURNS_VIEWS:  # torch's own composite: its aten views stay views for autograd
             return run_default(func, args, kwargs)
         return run_function_on_slabs(func, args, kwargs, like)
+    if func in _AUTOGRAD_ENTRY_POINTS:
+        # The backward pass runs Python that meets ShardTensors as the forward did (activation
+        # checkpointing recomputes the forward in it; hooks; custom Functions): it must reach the
+        # handlers too, so only this entry's own hop is skipped, not torch functions below it.
+        return torch.overrides.redispatch_function(func, types, args, kwargs)
     # Below the handlers, tensor properties (``requires_grad``, ...) must not re-enter this
     # function: each re-entry costs microseconds, a third of a small op's overhead.
     with torch._C.DisableTorchFunctionSubclass():

@@ -281,3 +281,36 @@ def _max_contribution_gradient_raises():
 
 def test_gradient_of_a_max_contribution_raises_instead_of_guessing():
     run_on_ranks(2, _max_contribution_gradient_raises)
+
+
+# ----- code run during the backward reaches the handlers ---------------------------------------------
+def _checkpointed_block(reentrant: bool, sizes: list[int]) -> list[float]:
+    """``torch.utils.checkpoint`` recomputes the forward inside the backward: with the handlers
+    bypassed there (torch functions were off below ``backward``), the recomputation took torch's
+    own composites, whose saved tensors or rules differed (CheckpointError / no rule for
+    ``native_group_norm_backward``).  The dropout mask must come back the same too."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 3, 3, padding=1)
+
+    def block(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(torch.nn.functional.gelu(conv(t)), 0.3) + torch.nn.functional.group_norm(t, 1)
+
+    values = torch.randn(2, 3, sum(sizes), 6, generator=torch.Generator().manual_seed(1))
+    results = []
+    for checkpointed in (False, True):
+        x = distribute_tensor(values, get_mesh((len(sizes),)), [Shard(2)], {0: sizes}).requires_grad_()
+        conv.zero_grad()
+        torch.manual_seed(42)
+        y = checkpoint(block, x, use_reentrant=reentrant) if checkpointed else block(x)
+        y.square().sum().backward()
+        results.append((y.full_tensor(), x.grad.full_tensor(), conv.weight.grad.clone()))
+    return [(a - b).abs().max().item() for a, b in zip(*results)]
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("sizes", [[3, 5], [3, 0, 5]], ids=["2 ranks", "3 ranks, an empty shard"])
+def test_activation_checkpointing_recomputes_the_sharded_forward(reentrant: bool, sizes: list[int]) -> None:
+    for diffs in run_on_ranks(len(sizes), _checkpointed_block, reentrant, sizes):
+        assert max(diffs) == 0.0, diffs
