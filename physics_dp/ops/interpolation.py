@@ -6,8 +6,8 @@ own formulas (:func:`dim_taps`).  Output ``j`` belongs to the rank owning its so
 first tap, clamped to the grid); source rows never decrease with ``j``, so every rank owns a
 contiguous range.  The rank gathers the input rows its outputs' taps span (only rows peers own
 are sent; taps are clamped to the grid, so no edge rows are ever needed), then resamples each
-dim in turn with ``index_select`` and the weights.  ``mode='area'`` is adaptive average pooling,
-exact where it splits (see :mod:`physics_dp.ops.pooling`).  Without a sharded spatial dim
+dim in turn with ``index_select`` and the weights.  ``mode='area'`` is adaptive average pooling
+(:mod:`physics_dp.ops.pooling`), for any sizes.  Without a sharded spatial dim
 (batch or channel shards) each rank runs torch's own op on its slab.
 
 ``antialias=True`` (bilinear, bicubic, lanczos on 4-D inputs) is the same path with torch's

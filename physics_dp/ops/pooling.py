@@ -11,9 +11,15 @@ local op then runs without padding:
   and ties agree; ``return_indices`` maps the local flat index back to the global spatial plane.
 - average: the local op yields window sums (``divisor_override=1``), divided by torch's divisor
   computed from global positions (padding, ``count_include_pad``, ceil overhang, override).
-- adaptive: exact when every sharded dim's extent is a multiple of its output size (the pool is
-  then a plain one with kernel = stride = extent / size); dims held whole may be adaptive in
-  general, since the local adaptive op sees them whole.
+- adaptive: torch's windows (output ``j`` of ``O`` over ``L`` rows reads rows
+  ``[floor(j*L/O), ceil((j+1)*L/O))``) vary in size and overlap where ``O`` does not divide ``L``.
+  Outputs go to the owner of their window's centre row (the convolution rule) and a rank gathers
+  the rows its windows span (:func:`adaptive_split`).  Where the local adaptive op on that window
+  would cut different windows (a sharded dim that ``O`` does not divide), the window's rows are
+  laid out output by output, each padded to the longest window with filler (``-inf`` for max,
+  0 for average; :func:`_spread`): the local op's equal windows are then exactly torch's, scanned
+  in torch's order (ties and NaN pick the same index); averages are rescaled from the padded
+  length to the true one.
 
 :class:`DimSplit`, :func:`gather_inside` (one resampled dim's splits and windows, and the
 gather of all of them) and :func:`run_planewise` are shared with interpolation; the stencil
@@ -23,6 +29,8 @@ with ``F.unfold`` (``unfold.py``).
 
 from __future__ import annotations
 
+import bisect
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,14 +39,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..distributed.tracing import graph_constant, outside_trace
 from ..shard_tensor import ShardTensor
 from ._args import bind, per_dim, single_device_shape
-from ._local import ShardedOpError, local_input, sharded_axes, wrap_local
+from ._local import local_input, sharded_axes, wrap_local
 from .conv import check_stencil_layout, window_inside, window_outside, conv_output_split, conv_windows
 from .halo import Window, gather_window
+from .indexing import offsets
 
 __all__ = [
-    "DimSplit", "Stencil", "dim_split", "drop_filler", "fill_outside", "gather_inside", "output_axis_sizes",
+    "DimSplit", "Stencil", "adaptive_split", "dim_split", "drop_filler", "fill_outside", "gather_inside", "output_axis_sizes",
     "run_planewise", "stencil_splits",
 ]
 
@@ -194,44 +204,109 @@ class Stencil:
         return self.dilation * (self.kernel - 1) + 1
 
 
-def _stencils(kind: str, bound: dict[str, Any], x: ShardTensor, out_shape: torch.Size, nd: int) -> list[Stencil | None]:
-    """Each pooled dim's stencil; None for a whole dim of an adaptive pool (the local op adapts it)."""
-    if kind in ("max", "avg"):
-        kernel = per_dim(bound["kernel_size"], nd)
-        stride = per_dim(bound["stride"], nd) if bound["stride"] not in (None, [], ()) else kernel
-        dilation = per_dim(bound["dilation"], nd) if kind == "max" else (1,) * nd
-        return [Stencil(*params) for params in zip(kernel, stride, per_dim(bound["padding"], nd), dilation)]
-    stencils: list[Stencil | None] = []
-    for dim in range(x.ndim - nd, x.ndim):
-        extent, size = x.shape[dim], out_shape[dim]
-        if dim_split(x, dim)[0] is None:
-            stencils.append(None)
-        elif extent % size:
-            raise ShardedOpError(
-                f"{kind}_pool{nd}d", [x],
-                f"adaptive pooling of the sharded dim {dim} from {extent} to {size} needs windows of varying "
-                "size; it is exact only where the extent is a multiple of the output size (or that dim is not sharded)",
-            )
-        else:
-            stencils.append(Stencil(extent // size, extent // size, 0, 1))
-    return stencils
+def _stencils(kind: str, bound: dict[str, Any], nd: int) -> list[Stencil | None]:
+    """Each pooled dim's stencil; None for every dim of an adaptive pool (:func:`adaptive_split`)."""
+    if kind not in ("max", "avg"):
+        return [None] * nd
+    kernel = per_dim(bound["kernel_size"], nd)
+    stride = per_dim(bound["stride"], nd) if bound["stride"] not in (None, [], ()) else kernel
+    dilation = per_dim(bound["dilation"], nd) if kind == "max" else (1,) * nd
+    return [Stencil(*params) for params in zip(kernel, stride, per_dim(bound["padding"], nd), dilation)]
 
 
 def stencil_splits(x: ShardTensor, out_shape: torch.Size, stencils: Sequence[Stencil | None]) -> list[DimSplit]:
     """Each stencil dim's input split, output split (a convolution's) and every rank's window; a
-    None stencil (an adaptive pool's whole dim) keeps its dim whole."""
+    None stencil (an adaptive pool's dim) gets torch's adaptive windows."""
     nd = len(stencils)
     splits = []
     for dim, stencil in zip(range(x.ndim - nd, x.ndim), stencils):
         axis, sizes, me = dim_split(x, dim)
         out = out_shape[dim]
         if stencil is None:
-            splits.append(DimSplit(dim, axis, sizes, (out,), ((0, sizes[0]),), me))
+            splits.append(adaptive_split(dim, axis, sizes, out, me))
             continue
         k, s, p, d = stencil.kernel, stencil.stride, stencil.padding, stencil.dilation
         out_sizes = conv_output_split(sizes, out, k, s, d, p)
         splits.append(DimSplit(dim, axis, sizes, out_sizes, conv_windows(out_sizes, sizes, k, s, d, p), me))
     return splits
+
+
+# ----- adaptive windows -----------------------------------------------------------------------
+@functools.lru_cache(maxsize=256)
+def _adaptive_windows(extent: int, out: int) -> tuple[Window, ...]:
+    """torch's window of every output (``start_index`` / ``end_index`` of ATen's adaptive pools)."""
+    return tuple(((j * extent) // out, -(-((j + 1) * extent) // out)) for j in range(out))
+
+
+@functools.lru_cache(maxsize=256)
+def _adaptive_plan(sizes: tuple[int, ...], out: int) -> tuple[tuple[int, ...], tuple[Window, ...]]:
+    """Output split and every rank's window: output ``j`` goes to the owner of its window's centre
+    row (for windows of equal size, :func:`conv_output_split`'s rule); a rank reads the rows from
+    its first output's start to its last one's end, a rank without outputs nothing."""
+    windows = _adaptive_windows(sum(sizes), out)
+    centres = [(lo + hi - 1) // 2 for lo, hi in windows]
+    starts = offsets(sizes)
+    cuts = [bisect.bisect_left(centres, start) for start in starts] + [out]
+    out_sizes = tuple(b - a for a, b in zip(cuts, cuts[1:]))
+    spans = tuple((windows[a][0], windows[b - 1][1]) if b > a else (start, start) for start, a, b in zip(starts, cuts, cuts[1:]))
+    return out_sizes, spans
+
+
+def adaptive_split(dim: int, axis: int | None, sizes: tuple[int, ...], out: int, me: int) -> DimSplit:
+    """One adaptive pooled dim's split (a dim held whole reads all of it)."""
+    out_sizes, windows = _adaptive_plan(tuple(sizes), out)
+    return DimSplit(dim, axis, tuple(sizes), out_sizes, windows, me)
+
+
+@dataclass(frozen=True)
+class _Spread:
+    """A rank's window rows along one dim laid out output by output, each padded to the longest
+    window with a filler row (a rank without outputs lays out one output of filler).
+
+    ``rows`` index the window with the filler row appended (it is row ``window length``);
+    ``sources`` are their global rows (the filler's: the window's start, never selected);
+    ``rescale`` per output turns an average over the padded length into one over the window's.
+    """
+
+    rows: torch.Tensor
+    sources: torch.Tensor
+    rescale: torch.Tensor
+
+
+@functools.lru_cache(maxsize=256)
+def _spread_plan(sizes: tuple[int, ...], out: int, me: int) -> _Spread:
+    windows = _adaptive_windows(sum(sizes), out)
+    taps = max(hi - lo for lo, hi in windows)
+    out_sizes, spans = _adaptive_plan(sizes, out)
+    first, count, (origin, end) = sum(out_sizes[:me]), out_sizes[me], spans[me]
+    rows, sources, rescale = [], [], []
+    for lo, hi in windows[first:first + count] or [(origin, origin)]:
+        rows += [row - origin for row in range(lo, hi)] + [end - origin] * (taps - (hi - lo))
+        sources += list(range(lo, hi)) + [origin] * (taps - (hi - lo))
+        rescale.append(taps / max(hi - lo, 1))
+    return _Spread(torch.tensor(rows), torch.tensor(sources), torch.tensor(rescale[:count], dtype=torch.float64))
+
+
+def _spreads(kind: str, splits: Sequence[DimSplit], out_shape: torch.Size) -> dict[int, _Spread]:
+    """The spread of every sharded dim an adaptive pool's output size does not divide.
+
+    Elsewhere the local adaptive op on the window cuts torch's windows itself: a whole dim is the
+    global op's, and equal windows tile a rank's window.
+    """
+    if kind in ("max", "avg"):
+        return {}
+    with outside_trace():
+        return {
+            split.dim: _spread_plan(split.sizes, out_shape[split.dim], split.me)
+            for split in splits
+            if split.axis is not None and out_shape[split.dim] and split.extent % out_shape[split.dim]
+        }
+
+
+def _spread(local: torch.Tensor, dim: int, spread: _Spread, value: float) -> torch.Tensor:
+    """``local`` (the window) laid out as ``spread`` says along ``dim``, the filler row holding ``value``."""
+    filler = local.new_full((*local.shape[:dim], 1, *local.shape[dim + 1:]), value)
+    return torch.cat([local, filler], dim).index_select(dim, graph_constant(spread.rows, local.device))
 
 
 # ----- local computation ----------------------------------------------------------------------
@@ -274,11 +349,16 @@ def _divisor(splits: Sequence[DimSplit], stencils: Sequence[Stencil], include_pa
     return total
 
 
-def _global_indices(index: torch.Tensor, splits: Sequence[DimSplit], local_extents: Sequence[int]) -> torch.Tensor:
-    """Flat indices into the local window's spatial plane, mapped to the global input's plane."""
+def _global_indices(
+    index: torch.Tensor, splits: Sequence[DimSplit], local_extents: Sequence[int], sources: dict[int, torch.Tensor]
+) -> torch.Tensor:
+    """Flat indices into the local window's spatial plane, mapped to the global input's plane
+    (along a spread dim through the global row of each local row, ``sources``)."""
     coordinates, rest = [], index
     for split, extent in zip(reversed(splits), reversed(local_extents)):
-        coordinates.append(rest % extent + split.window[0])
+        local = rest % extent
+        rows = sources.get(split.dim)
+        coordinates.append(local + split.window[0] if rows is None else graph_constant(rows, index.device)[local])
         rest = rest // extent
     flat = torch.zeros_like(index)
     for split, coordinate in zip(splits, reversed(coordinates)):
@@ -313,10 +393,14 @@ def _pool(func: Any, bound: dict[str, Any]) -> Any:
     kind, nd, with_indices = _POOLS[func]
     x = bound["input"]
     out_shape = single_device_shape(func, bound)
-    stencils = _stencils(kind, bound, x, out_shape, nd)
+    stencils = _stencils(kind, bound, nd)
     splits = stencil_splits(x, out_shape, stencils)
+    filler = -math.inf if "max" in kind else 0.0
     local = gather_inside(local_input(x), x, splits)
-    local = fill_outside(local, splits, stencils, -math.inf if "max" in kind else 0.0)
+    spreads = _spreads(kind, splits, out_shape)
+    for dim, spread in spreads.items():
+        local = _spread(local, dim, spread, filler)
+    local = fill_outside(local, splits, stencils, filler)
     # without padding or overhang, torch's divisor is the kernel's (or the override): its own op on the window
     plain_avg = kind == "avg" and not bound["ceil_mode"] and not any(s.padding for s in stencils)
     if plain_avg:
@@ -328,11 +412,18 @@ def _pool(func: Any, bound: dict[str, Any]) -> Any:
     if kind == "avg" and not plain_avg:
         override = bound.get("divisor_override")
         y = y / (override or _divisor(splits, stencils, bound["count_include_pad"], y.ndim).to(device=y.device, dtype=y.dtype))
+    if kind == "adaptive_avg":
+        for dim, spread in spreads.items():  # the local op divided by the padded length
+            shape = [1] * y.ndim
+            shape[dim] = spread.rescale.numel()
+            y = y * graph_constant(spread.rescale, y.device).to(y.dtype).view(shape)
     axis_sizes = output_axis_sizes(x, splits)
     result = wrap_local(y, x, out_shape, axis_sizes)
     if not with_indices:
         return result
-    index = _global_indices(drop_filler(out[1], splits), splits, [local.shape[split.dim] for split in splits])
+    local_extents = [local.shape[split.dim] for split in splits]
+    sources = {dim: spread.sources for dim, spread in spreads.items()}
+    index = _global_indices(drop_filler(out[1], splits), splits, local_extents, sources)
     return result, wrap_local(index, x, out_shape, axis_sizes)
 
 

@@ -3,11 +3,15 @@
 Every case runs sharded and on one device (``assert_sharded_matches``: outputs, global
 ``return_indices`` and input grads) on 1-4 ranks and on a 2x2 mesh (two spatial dims over the
 two mesh axes), with balanced, uneven (13 x 7) and skewed splits (one-row and empty shards, so
-windows reach past neighbours and some ranks own no output).  ``check_cases`` and the layout
+windows reach past neighbours and some ranks own no output).  Adaptive pools run also where the
+output size does not divide a sharded extent (windows of varying size, overlapping), shrinking
+and growing, with ties, NaN and -inf for the max pools' indices.  ``check_cases`` and the layout
 helpers are shared with ``test_interpolation.py``.
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -124,15 +128,87 @@ CASES = {
 }
 
 
-def _pool_cases(mesh_shape, split, names):
-    return check_cases(CASES, mesh_shape, split, names)
+# ----- adaptive pools whose output size does not divide a sharded extent -------------------------
+# H is 12 or 13 and W 8 or 7: none of 5, 3, H + 5, W + 3, 2H - 1, ... divides them, so torch's
+# windows (rows floor(j*L/O) .. ceil((j+1)*L/O)) vary in size and, growing, overlap.
+ADAPTIVE_CASES = {
+    "adaptive_avg2d_shrink": (lambda h, w: nn.AdaptiveAvgPool2d((5, 3)), lambda h, w: (2, 3, h, w), hw),
+    "adaptive_avg2d_grow": (lambda h, w: nn.AdaptiveAvgPool2d((h + 5, w + 3)), lambda h, w: (2, 3, h, w), hw),
+    "adaptive_avg2d_shrink_h_grow_w": (lambda h, w: nn.AdaptiveAvgPool2d((5, 2 * w - 1)), lambda h, w: (1, 2, h, w), hw),
+    "adaptive_avg2d_one_dividing_dim": (lambda h, w: nn.AdaptiveAvgPool2d((5, 1)), lambda h, w: (2, 3, h, w), hw),
+    "adaptive_avg2d_w_over_axis0": (lambda h, w: nn.AdaptiveAvgPool2d((4, 5)), lambda h, w: (2, 3, w, h), spatial(3, 2)),
+    "adaptive_avg1d": (lambda h, w: nn.AdaptiveAvgPool1d(5), lambda h, w: (2, 3, h), batch_and_length),
+    "adaptive_avg3d_whole_last_dim": (lambda h, w: nn.AdaptiveAvgPool3d((5, w + 2, 3)), lambda h, w: (1, 2, h, w, 5), hw),
+    "adaptive_max2d_shrink": (lambda h, w: (lambda x: F.adaptive_max_pool2d(x, (5, 3))), lambda h, w: (2, 3, h, w), hw),
+    "adaptive_max2d_shrink_indices": (
+        lambda h, w: nn.AdaptiveMaxPool2d((5, 3), return_indices=True),
+        lambda h, w: (2, 3, h, w),
+        hw,
+    ),
+    "adaptive_max2d_grow_indices": (
+        lambda h, w: nn.AdaptiveMaxPool2d((2 * h - 1, w + 3), return_indices=True),
+        lambda h, w: (2, 3, h, w),
+        hw,
+    ),
+    "adaptive_max1d_grow_indices": (
+        lambda h, w: (lambda x: F.adaptive_max_pool1d(x, h + 3, return_indices=True)),
+        lambda h, w: (2, 3, h),
+        batch_and_length,
+    ),
+    "adaptive_max3d_indices": (
+        lambda h, w: nn.AdaptiveMaxPool3d((5, w + 1, 2), return_indices=True),
+        lambda h, w: (1, 2, h, w, 5),
+        hw,
+    ),
+    "adaptive_max3d_none_size": (lambda h, w: nn.AdaptiveMaxPool3d((7, None, 3)), lambda h, w: (1, 2, h, w, 4), hw),
+    "area_shrink": (lambda h, w: (lambda x: F.interpolate(x, size=(5, 3), mode="area")), lambda h, w: (2, 3, h, w), hw),
+    "area_grow_1d": (lambda h, w: (lambda x: F.interpolate(x, size=h + 4, mode="area")), lambda h, w: (2, 3, h), batch_and_length),
+}
 
 
+FAMILIES = {"pools": CASES, "adaptive pools, windows of varying size": ADAPTIVE_CASES}
+
+
+def _family_cases(family, mesh_shape, split, names):
+    return check_cases(FAMILIES[family], mesh_shape, split, names)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("split", SPLITS)
 @pytest.mark.parametrize("mesh_shape", LAYOUTS, ids=str)
-def test_pooling_matches_single_device(mesh_shape, split):
-    names = sorted(CASES)
-    assert run_on_ranks(world_of(mesh_shape), _pool_cases, mesh_shape, split, names, timeout=120) == [len(names)] * world_of(mesh_shape)
+def test_pooling_matches_single_device(mesh_shape, split, family):
+    names = sorted(FAMILIES[family])
+    world = world_of(mesh_shape)
+    assert run_on_ranks(world, _family_cases, family, mesh_shape, split, names, timeout=120) == [len(names)] * world
+
+
+def _ties_nan_and_empty_shard(mesh_shape, sizes, names):
+    """Small integers (many ties), NaN and -inf, on explicit splits with an empty shard."""
+    mesh = get_mesh(mesh_shape)
+    placements = [Shard(2)] if mesh.ndim == 1 else [Shard(2), Shard(3)]
+    for index, name in enumerate(names):
+        fn, shape, _ = ADAPTIVE_CASES[name]
+        x = torch.randint(0, 3, shape(7, 9), generator=torch.Generator().manual_seed(index)).float()
+        x.view(-1)[::11] = float("nan") if index % 2 else 2.0
+        x.view(-1)[5::13] = -float("inf")
+        try:
+            assert_sharded_matches(fn(7, 9), [x], mesh, [placements], sharding_sizes=[sizes])
+        except Exception as error:
+            raise AssertionError(f"{name} on mesh {mesh_shape}, split {sizes}: {error}") from error
+    return len(names)
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, sizes",
+    [((3,), {0: [3, 0, 4]}), ((2,), {0: [6, 1]}), ((4,), {0: [0, 2, 5, 0]}), ((2, 2), {0: [3, 4], 1: [0, 9]})],
+    ids=str,
+)
+def test_adaptive_pools_match_with_ties_nan_and_empty_shards(mesh_shape, sizes):
+    # H = 7, W = 9 (H over axis 0, W over axis 1); the 2x2 mesh runs the cases with two spatial dims
+    names = sorted(name for name, (_, _, placements) in ADAPTIVE_CASES.items() if placements is hw)
+    names += [] if len(mesh_shape) == 2 else sorted(name for name, (_, _, p) in ADAPTIVE_CASES.items() if p is batch_and_length)
+    world = world_of(mesh_shape)
+    assert run_on_ranks(world, _ties_nan_and_empty_shard, mesh_shape, sizes, names, timeout=120) == [len(names)] * world
 
 
 # ----- communication ------------------------------------------------------------------------------
@@ -191,30 +267,50 @@ def test_pool_on_2x2_mesh_sends_rows_then_columns_with_corners():
         assert sorted(backward) == sorted(forward), (coordinate, backward)
 
 
+def _empty_adaptive_outputs():
+    mesh = get_mesh((3,))
+    x = torch.randn(2, 3, 7, 9)
+    for size in ((0, 4), (5, 0)):  # torch's backward refuses empty outputs: forward only
+        for pool in (nn.AdaptiveAvgPool2d(size), nn.AdaptiveMaxPool2d(size, return_indices=True)):
+            assert_sharded_matches(pool, [x], mesh, [[Shard(2)]], sharding_sizes=[{0: [3, 0, 4]}], check_grads=False)
+    return True
+
+
+def test_adaptive_pools_to_an_empty_output():
+    assert all(run_on_ranks(3, _empty_adaptive_outputs))
+
+
+def _values(pool, x):
+    out = pool(x)
+    return out[0] if isinstance(out, tuple) else out
+
+
+# sends: sending rank -> the ranks it sends a row to in forward
+@pytest.mark.parametrize("out, sends", [(5, {1: (0, 2)}), (16, {1: (0,), 2: (1,)})], ids=["shrink", "grow"])
+def test_adaptive_pool_sends_only_rows_its_windows_read(out, sends):
+    # H = 12 in 4 + 4 + 4.  To 5 outputs the windows are rows [0,3) [2,5) [4,8) [7,10) [9,12),
+    # owned by the owners of their centre rows 1 3 5 8 10 (2 + 1 + 2 outputs): rank 1 sends row 4
+    # to rank 0 and row 7 to rank 2.  To 16, rank 0 reads rows [0,5) and rank 1 rows [4,9):
+    # ranks 1 and 2 send one row each.  Gradients of those rows travel back; nothing else moves.
+    row = 2 * 3 * 8 * 4  # N * C * W float32
+    for pool in (nn.AdaptiveAvgPool2d((out, 8)), nn.AdaptiveMaxPool2d((out, 3), return_indices=True)):
+        for (c,), forward, backward in run_on_ranks(3, _pool_bytes, (3,), functools.partial(_values, pool), (2, 3, 12, 8)):
+            assert forward == [("p2p", row)] * len(sends.get(c, ())), (pool, c, forward)
+            received = sum(c in receivers for receivers in sends.values())
+            assert backward == [("p2p", row)] * received, (pool, c, backward)
+
+
 # ----- unsupported combinations and invalid arguments ---------------------------------------------
 def _unsupported_raise():
     mesh = get_mesh((2,))
     x = torch.randn(2, 3, 13, 8)
-    messages = []
-    with pytest.raises(ShardedOpError) as info:
-        F.adaptive_avg_pool2d(distribute_tensor(x, mesh, [Shard(2)]), (5, 4))
-    messages.append(str(info.value))
-    with pytest.raises(ShardedOpError) as info:
-        nn.AdaptiveMaxPool2d((6, 2), return_indices=True)(distribute_tensor(x, mesh, [Shard(2)]))
-    messages.append(str(info.value))
     with pytest.raises(ShardedOpError) as info:
         F.max_pool2d(ShardTensor.from_local(x, mesh, [Partial("sum")]), 2)
-    messages.append(str(info.value))
-    # supported: a non-dividing adaptive pool along a dim that is not sharded
-    y = F.adaptive_avg_pool2d(distribute_tensor(x, mesh, [Shard(3)]), (5, 4))
-    assert torch.allclose(y.full_tensor(), F.adaptive_avg_pool2d(x, (5, 4)))
-    return messages
+    return str(info.value)
 
 
 def test_unsupported_combinations_raise_naming_op_placements_and_reason():
-    avg, max_, partial = run_on_ranks(2, _unsupported_raise)[0]
-    assert avg.startswith("adaptive_avg_pool2d") and "Shard(dim=2)" in avg and "from 13 to 5" in avg and "multiple" in avg
-    assert max_.startswith("adaptive_max_pool2d") and "from 13 to 6" in max_
+    partial = run_on_ranks(2, _unsupported_raise)[0]
     assert partial.startswith("max_pool2d") and "Partial" in partial and "redistribute" in partial
 
 

@@ -48,15 +48,16 @@ UNSUPPORTED = {
         "scaled_dot_product_attention",
         "embedding dim",
     ),
-    "adaptive pool not dividing a sharded dim": (
-        lambda m: F.adaptive_avg_pool2d(_field(m, [Shard(2)]), (4, 3)),
-        "adaptive_avg_pool2d",
-        "",
-    ),
-    "antialiased interpolation on a sharded dim": (
-        lambda m: F.interpolate(_field(m, [Shard(2)]), scale_factor=0.5, mode="bilinear", antialias=True),
+    "antialiased interpolation keeping a dim its factor would change, differentiated": (
+        lambda m: F.interpolate(_field(m, [Shard(2)]).requires_grad_(), scale_factor=(0.5, 1.05), mode="bilinear", antialias=True),
         "interpolate",
         "antialias",
+    ),
+    "unique slices over a sharded tensor": (lambda m: torch.unique(_field(m, [Shard(2)]), dim=1), "unique", "dim=None"),
+    "in-place squeeze of a size-1 dim split over ranks": (
+        lambda m: distribute_tensor(torch.zeros(2, 1, 4), m, [Shard(1)]).squeeze_(1),
+        "squeeze_",
+        "out-of-place",
     ),
     "roll without dims": (lambda m: torch.roll(_field(m, [Shard(2)]), 2), "roll", ""),
     "cross_entropy, classes sharded": (
