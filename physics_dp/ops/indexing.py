@@ -18,7 +18,7 @@
 - ``x[mask]`` / ``masked_select`` with a boolean ShardTensor mask of ``x``'s shape: a 1-D result
   sharded by rank order, each rank holding what it selected (uneven sizes), in global order.
 - ``x[..., [i, j]] = v`` (``index_put``) along a sharded dim: each rank writes the picked rows it
-  owns; nothing is sent but the values when they are split.
+  owns; nothing is sent but the values when they are split.  ``index_fill`` likewise, nothing sent.
 - ``x[mask] = v`` and ``masked_scatter`` with a boolean mask of ``x``'s shape (any layout, or plain):
   one value (a number, a one-element tensor) is a local fill, nothing sent; a 1-D vector of
   values (``x[mask] = y[mask]``; ``masked_scatter``'s source, of which the first ones are used)
@@ -381,6 +381,28 @@ def _index_put_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> 
         op(x._local_tensor, local_indices, rows.to(x.dtype), accumulate)
         return x
     return ShardTensor(op(x._local_tensor, local_indices, rows.to(x.dtype), accumulate), spec.replace())
+
+
+def _index_fill_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """``x.index_fill(dim, index, value)`` (in place or not) along a sharded dim: each rank fills
+    the listed rows it owns, nothing sent (DTensor has no rule that writes into a sharded dim)."""
+    x, dim, index, value = args
+    dim %= max(x.ndim, 1)
+    plain = replicated_plain(index)
+    axis = axis_splitting(x._spec, dim) if isinstance(x, ShardTensor) and not x._spec.has_partial else None
+    if axis is None or plain is None or isinstance(value, ShardTensor) or is_tracing():  # (the routing reads the index)
+        return propagate_and_run(op, args, kwargs)
+    spec, extent = x._spec, x.shape[dim]
+    index = plain.reshape(-1).long()
+    if index.numel() and not (-extent <= int(index.min()) and int(index.max()) < extent):
+        raise IndexError(f"index_fill: index out of range for dim {dim} of size {extent}")
+    index = index % extent
+    first, count = offsets(spec.axis_sizes[axis])[spec.coordinate()[axis]], spec.local_shape()[dim]
+    local_index = index[(index >= first) & (index < first + count)] - first
+    if op._schema.name.endswith("_"):
+        op(x._local_tensor, dim, local_index, value)
+        return x
+    return ShardTensor(op(x._local_tensor, dim, local_index, value), spec.replace())
 
 
 # ----- moving rows between ranks (roll, cat) --------------------------------------------------------------
@@ -1129,6 +1151,8 @@ ShardTensor.register_dispatch_handler(aten.slice_backward.default, _slice_backwa
 ShardTensor.register_dispatch_handler(aten.select.int, _select_handler)
 ShardTensor.register_dispatch_handler(aten.select_backward.default, _select_backward_in_source_split, first=True)
 ShardTensor.register_dispatch_handler(aten.roll.default, _roll_handler)
+for _op in (aten.index_fill_.int_Scalar, aten.index_fill_.int_Tensor, aten.index_fill.int_Scalar, aten.index_fill.int_Tensor):
+    ShardTensor.register_dispatch_handler(_op, _index_fill_handler)
 for _op in (aten.index_put_.default, aten.index_put.default):
     ShardTensor.register_dispatch_handler(_op, _index_put_handler)
 for _func in (torch.index_select, torch.Tensor.index_select):

@@ -91,6 +91,9 @@ PUT_FAMILY: dict[str, Callable] = {
     "y[..., [4, 2], :] = rows": lambda x: _rows_set(x, (Ellipsis, [4, 2], slice(None)), _ROW_VALUES),
     "y[:, :, [3]] += 1": lambda x: _rows_set(x, (slice(None), slice(None), [3]), x[:, :, [3]] * 0 + 1) * x,
     "y[:, [0, 2]] = 0 (a whole dim)": lambda x: _rows_set(x, (slice(None), [0, 2]), 0.0),
+    "index_fill_(2, [0, 3, -1], 2)": lambda x: (x * 1).index_fill_(2, torch.tensor([0, 3, -1]), 2.0),
+    "index_fill(2, [1, 1, 5], -1) * 2": lambda x: x.index_fill(2, torch.tensor([1, 1, 5]), -1.0) * 2,
+    "index_fill(3, [0, 4], 0-d tensor)": lambda x: x.index_fill(3, torch.tensor([0, 4]), torch.tensor(0.5)),
 }
 MASK_FAMILY: dict[str, Callable] = {
     "x[x > 0]": lambda x: x[x > 0],
