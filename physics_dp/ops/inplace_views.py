@@ -76,11 +76,12 @@ def _in_place_view(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Shar
 
 
 def _set_data(func: Any, types: tuple, args: tuple, kwargs: dict) -> None:
+    """``x.data = y``: the slab, the spec and the wrapper's metadata all become ``y``'s."""
     tensor, value = args
     if not isinstance(value, ShardTensor):
         raise TypeError(
             f"cannot assign a {type(value).__name__} to the .data of a ShardTensor: it could be the global value or "
-            "this rank's slab; assign a ShardTensor (physics_dp.distribute_tensor(value, mesh, placements) or "
+            "this rank's slab; assign a ShardTensor (physics_dp.shard_tensor.distribute_tensor(value, mesh, placements) or "
             "ShardTensor.from_local(slab, mesh, placements)), or copy values in with x.copy_(...)"
         )
     tensor._local_tensor, tensor._spec = value._local_tensor, value._spec
