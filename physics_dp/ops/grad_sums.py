@@ -15,6 +15,8 @@ of buckets.
 A share is summed at once, as before, where deferring could be observed:
 
 - the parameter is not a leaf (a cast or view of one, FSDP's and DTensor's local views);
+- the parameter has gradient hooks (``register_hook``, ``register_post_accumulate_grad_hook``):
+  they must see the whole gradient when autograd accumulates it;
 - autograd will not accumulate into it (``torch.autograd.grad``, ``backward(inputs=...)``
   without it): the captured gradient itself must be the sum;
 - under ``create_graph`` (a double backward): the sum is itself differentiated
@@ -26,6 +28,7 @@ A share is summed at once, as before, where deferring could be observed:
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -105,14 +108,21 @@ class _Stash:
         return buckets
 
 
-_stash: _Stash | None = None
+# Deferred shares by the autograd graph task that collects them (``torch._C._current_graph_task_id``,
+# as ``torch.utils.checkpoint`` uses it).  A pass that raises never runs
+# its end-of-pass callback: a single module-level stash then outlived it, so no later pass queued
+# a flush (its parameters' ``.grad`` silently stayed None or stale) and the failed pass's shares
+# were added to the next one's.  Each pass now has its own stash; one left by a failed pass is
+# dropped by the next forward use outside any backward (see ``SumGradOverGroups.forward``).
+_stashes: dict[int, _Stash] = {}
 
 
 @torch.no_grad()
-def _flush() -> None:
-    """End of the backward pass: sum each bucket with one all-reduce and add it to ``.grad``."""
-    global _stash
-    stash, _stash = _stash, None
+def _flush(task: int) -> None:
+    """End of backward pass ``task``: sum each bucket with one all-reduce and add it to ``.grad``."""
+    stash = _stashes.pop(task, None)
+    for stale in [t for t in _stashes if t > task]:  # nested passes that raised before their end
+        del _stashes[stale]
     if stash is None:
         return
     for bucket in stash.buckets():
@@ -130,11 +140,19 @@ def _flush() -> None:
 
 
 def _defer(param: torch.Tensor, groups: tuple, share: torch.Tensor) -> None:
-    global _stash
-    if _stash is None:
-        _stash = _Stash()
-        torch.autograd.Variable._execution_engine.queue_callback(_flush)
-    _stash.add(param, groups, share)
+    task = torch._C._current_graph_task_id()
+    stash = _stashes.get(task)
+    if stash is None:
+        stash = _stashes[task] = _Stash()
+        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_flush, task))
+    stash.add(param, groups, share)
+
+
+def _has_grad_hooks(param: torch.Tensor) -> bool:
+    """Hooks on the leaf (``register_hook``, ``register_post_accumulate_grad_hook``) must see the
+    summed gradient as it is accumulated: a deferred share reached them as ``None`` (a pre-hook)
+    or missing from ``.grad`` (a post-accumulate hook), and a hook's change of it was lost."""
+    return bool(param._backward_hooks) or bool(getattr(param, "_post_accumulate_grad_hooks", None))
 
 
 class SumGradOverGroups(torch.autograd.Function):
@@ -146,13 +164,15 @@ class SumGradOverGroups(torch.autograd.Function):
         # a compiled backward is traced ahead of time: no end-of-pass callback can run inside it
         ctx.deferrable = param.is_leaf and _immediate_depth == 0 and not is_tracing()
         ctx.param = param if ctx.deferrable else None
+        if ctx.deferrable and _stashes and torch._C._current_graph_task_id() == -1:
+            _stashes.clear()  # outside every backward pass: stashes left by passes that raised
         return param.view_as(param)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         if creating_graph():  # the summed gradient must be differentiable, now
             return sum_replicated(grad, ctx.groups), None
-        if ctx.deferrable and _will_accumulate(ctx.next_functions[0][0]):
+        if ctx.deferrable and not _has_grad_hooks(ctx.param) and _will_accumulate(ctx.next_functions[0][0]):
             _defer(ctx.param, ctx.groups, grad)
             return None, None
         return sum_over_groups(grad, ctx.groups), None

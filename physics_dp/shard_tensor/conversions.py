@@ -150,9 +150,19 @@ def _avg_axes_size(spec: ShardTensorSpec) -> int:
 
 
 def _local_contribution_grad(grad: torch.Tensor, spec: ShardTensorSpec) -> torch.Tensor:
-    """A rank's slab gradient from the global-value gradient (the inverse of :func:`_global_value_grad`)."""
+    """A rank's slab gradient from the global-value gradient (the inverse of :func:`_global_value_grad`).
+
+    A plain gradient of the global shape (``y.backward(plain)``, a custom Function's backward or a
+    hook returning one) is the replicated value, as plain tensors meeting ShardTensors are
+    everywhere; it used to raise a TypeError here, in the middle of the backward pass.
+    """
     if not isinstance(grad, ShardTensor):
-        raise TypeError(f"expected a ShardTensor gradient, got {type(grad).__name__}")
+        if tuple(grad.shape) != tuple(spec.shape):
+            raise TypeError(
+                f"a plain gradient of shape {tuple(grad.shape)} reached a ShardTensor of global shape "
+                f"{tuple(spec.shape)}: pass the gradient as a ShardTensor, or as a plain tensor of the global shape"
+            )
+        grad = replicate_plain(grad, spec.mesh)
     local = redistribute_to_spec(grad, without_partials(spec)).to_local()
     averaged = _avg_axes_size(spec)
     return local / averaged if averaged != 1 else local
