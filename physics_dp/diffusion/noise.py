@@ -16,15 +16,11 @@ from collections.abc import Sequence
 
 import torch
 
+from ..distributed.seeds import GAMMA, MASK64, MUL1, MUL2, derive_seed, mix64
 from ..shard_tensor import ShardTensor, ShardTensorSpec
 from ..shard_tensor.conversions import from_local_with_spec
 
 __all__ = ["derive_seed", "randn_like_global", "sample_sigma_lognormal"]
-
-_MASK64 = (1 << 64) - 1
-_GAMMA = 0x9E3779B97F4A7C15  # splitmix64 increment (odd, golden-ratio based)
-_MUL1 = 0xBF58476D1CE4E5B9
-_MUL2 = 0x94D049BB133111EB
 
 # Stream tags: the same user seed gives independent numbers for each use.
 _FIELD_STREAM = 1
@@ -33,16 +29,8 @@ _SIGMA_STREAM = 2
 
 def _signed(value: int) -> int:
     """A 64-bit pattern as the int64 torch stores (two's complement)."""
-    value &= _MASK64
+    value &= MASK64
     return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def _mix_int(z: int) -> int:
-    """splitmix64's output function on Python ints (exact 64-bit arithmetic)."""
-    z &= _MASK64
-    z = ((z ^ (z >> 30)) * _MUL1) & _MASK64
-    z = ((z ^ (z >> 27)) * _MUL2) & _MASK64
-    return z ^ (z >> 31)
 
 
 def _mix_(z: torch.Tensor) -> torch.Tensor:
@@ -51,7 +39,7 @@ def _mix_(z: torch.Tensor) -> torch.Tensor:
     torch's ``>>`` is arithmetic, so each shift is masked to make it logical.
     """
     shifted = torch.empty_like(z)
-    for bits, multiplier in ((30, _signed(_MUL1)), (27, _signed(_MUL2)), (31, None)):
+    for bits, multiplier in ((30, _signed(MUL1)), (27, _signed(MUL2)), (31, None)):
         torch.bitwise_right_shift(z, bits, out=shifted)
         shifted &= (1 << (64 - bits)) - 1
         z ^= shifted
@@ -66,22 +54,14 @@ def _normal(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     One 64-bit hash per value: its high half gives u1 in (0, 1) (so log stays finite; tails reach
     6.7 sigma), its low half the angle.
     """
-    z = _mix_(positions * _signed(_GAMMA) + keys)
+    z = _mix_(positions * _signed(GAMMA) + keys)
     angle = (z & 0xFFFFFFFF).to(torch.float64).mul_(2.0 * math.pi * 2.0**-32).cos_()
     radius = ((z >> 32) & 0xFFFFFFFF).to(torch.float64).add_(0.5).mul_(2.0**-32).log_().mul_(-2.0).sqrt_()
     return radius.mul_(angle)
 
 
-def derive_seed(seed: int, *keys: int) -> int:
-    """A new 63-bit seed from ``seed`` and integer keys (e.g. a step index), for independent streams."""
-    h = _mix_int(int(seed) + _GAMMA)
-    for key in keys:
-        h = _mix_int((h ^ (int(key) & _MASK64)) + _GAMMA)
-    return h >> 1
-
-
 def _stream_keys(seed: int, stream: int, sample_ids: Sequence[int]) -> list[int]:
-    return [_signed(_mix_int(derive_seed(seed, stream, i))) for i in sample_ids]
+    return [_signed(mix64(derive_seed(seed, stream, i))) for i in sample_ids]
 
 
 def _as_ids(sample_ids: Sequence[int] | torch.Tensor, count: int | None) -> list[int]:

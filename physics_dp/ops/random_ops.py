@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from ..distributed.seeds import derive_seed
 from ..distributed.tracing import is_tracing
 from ..shard_tensor import Shard, ShardTensor
 from ..shard_tensor.fallback import propagate_and_run
@@ -55,28 +56,18 @@ _KEY_RANGE = 1 << 62
 _slab_generators: dict[torch.device, torch.Generator] = {}
 
 
-def _mix(value: int) -> int:
-    """splitmix64's finalizer: nearby inputs (keys, coordinates) give unrelated seeds."""
-    value = (value ^ (value >> 30)) * 0xBF58476D1CE4E5B9 & (1 << 64) - 1
-    value = (value ^ (value >> 27)) * 0x94D049BB133111EB & (1 << 64) - 1
-    return value ^ (value >> 31)
-
-
 def _slab_generator(layout: ShardTensor, generator: torch.Generator | None) -> torch.Generator:
     """A generator for this rank's slab, seeded with a key drawn alike on every rank and the
     rank's coordinates along the axes that shard ``layout``."""
     key = int(torch.randint(_KEY_RANGE, (1,), generator=generator, device=generator.device if generator else "cpu"))
     spec = layout._spec
     coordinate = spec.mesh.get_coordinate() or []
-    seed = _mix(key)
-    for axis, placement in enumerate(spec.placements):
-        if isinstance(placement, Shard):
-            seed = _mix(seed ^ (axis << 32 | coordinate[axis]))
+    keys = [axis << 32 | coordinate[axis] for axis, p in enumerate(spec.placements) if isinstance(p, Shard)]
     device = layout._local_tensor.device
     slab_generator = _slab_generators.get(device)
     if slab_generator is None:
         slab_generator = _slab_generators[device] = torch.Generator(device=device)
-    return slab_generator.manual_seed(seed >> 1)
+    return slab_generator.manual_seed(derive_seed(key, *keys))
 
 
 def _random_on_slabs(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> torch.Tensor:
