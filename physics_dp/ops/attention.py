@@ -545,7 +545,8 @@ def _attention_with_weights(
     sharded matmul), so it holds L / ranks rows of the weights."""
     scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
     if causal:
-        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+        future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
     if mask is not None:
         scores = scores + mask
     weights = scores.softmax(-1)
