@@ -351,6 +351,20 @@ def _whole(values: torch.Tensor) -> torch.Tensor:
     return redistribute_local(values._local_tensor, spec, replicated)
 
 
+def _owned_entries(
+    spec: ShardTensorSpec, dim: int, axis: int, index: torch.Tensor, op_name: str
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Checks a global row ``index`` along ``dim`` (split over mesh ``axis``) as torch would, and
+    returns it wrapped to ``[0, extent)``, the positions of the entries this rank owns, and the
+    global index of this rank's first row."""
+    extent = spec.shape[dim]
+    if index.numel() and not (-extent <= int(index.min()) and int(index.max()) < extent):
+        raise IndexError(f"{op_name}: index out of range for dim {dim} of size {extent}")
+    index = index.long() % extent
+    first, count = offsets(spec.axis_sizes[axis])[spec.coordinate()[axis]], spec.local_shape()[dim]
+    return index, ((index >= first) & (index < first + count)).nonzero().squeeze(1), first
+
+
 def _index_put_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     """``x[..., [i, j]] = v`` (``index_put``, in place or not) along a sharded dim: each rank writes
     the picked rows it owns, from the values' matching rows; nothing is sent (values split over
@@ -364,13 +378,8 @@ def _index_put_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> 
     whole_values = _whole(values)
     dim, index = found
     spec = x._spec
-    extent = spec.shape[dim]
-    if index.numel() and not (-extent <= int(index.min()) and int(index.max()) < extent):
-        raise IndexError(f"index_put: index out of range for dim {dim} of size {extent}")
-    index = index.long() % extent
     axis = axis_sharding(spec, dim)
-    first, count = offsets(spec.axis_sizes[axis])[spec.coordinate()[axis]], spec.local_shape()[dim]
-    positions = ((index >= first) & (index < first + count)).nonzero().squeeze(1)
+    index, positions, first = _owned_entries(spec, dim, axis, index, "index_put")
     picked = with_extent(spec.shape, dim, index.numel())
     picked_spec = ShardTensorSpec(spec.mesh, spec.placements, picked, _with_dim_sizes(spec, axis, balanced_sizes(index.numel(), spec.mesh.size(axis))))
     others = [a for a in range(spec.mesh.ndim) if a != axis]
@@ -392,13 +401,9 @@ def _index_fill_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) ->
     axis = axis_splitting(x._spec, dim) if isinstance(x, ShardTensor) and not x._spec.has_partial else None
     if axis is None or plain is None or isinstance(value, ShardTensor) or is_tracing():  # (the routing reads the index)
         return propagate_and_run(op, args, kwargs)
-    spec, extent = x._spec, x.shape[dim]
-    index = plain.reshape(-1).long()
-    if index.numel() and not (-extent <= int(index.min()) and int(index.max()) < extent):
-        raise IndexError(f"index_fill: index out of range for dim {dim} of size {extent}")
-    index = index % extent
-    first, count = offsets(spec.axis_sizes[axis])[spec.coordinate()[axis]], spec.local_shape()[dim]
-    local_index = index[(index >= first) & (index < first + count)] - first
+    spec = x._spec
+    index, positions, first = _owned_entries(spec, dim, axis, plain.reshape(-1), "index_fill")
+    local_index = index.index_select(0, positions) - first
     if op._schema.name.endswith("_"):
         op(x._local_tensor, dim, local_index, value)
         return x
