@@ -26,8 +26,10 @@ import torch
 
 from ..distributed.seeds import derive_seed
 from ..distributed.tracing import is_tracing
-from ..shard_tensor import Shard, ShardTensor
+from ..shard_tensor import ShardTensor
 from ..shard_tensor.fallback import propagate_and_run
+from ..shard_tensor.dispatch import register_strided_handler
+from ..shard_tensor.placements import SHARDING_PLACEMENTS
 from ._local import ShardedOpError
 
 __all__: list[str] = []
@@ -62,7 +64,8 @@ def _slab_generator(layout: ShardTensor, generator: torch.Generator | None) -> t
     key = int(torch.randint(_KEY_RANGE, (1,), generator=generator, device=generator.device if generator else "cpu"))
     spec = layout._spec
     coordinate = spec.mesh.get_coordinate() or []
-    keys = [axis << 32 | coordinate[axis] for axis, p in enumerate(spec.placements) if isinstance(p, Shard)]
+    # strided dims (tokens of a 2-D decomposition) hold different data on each rank too
+    keys = [axis << 32 | coordinate[axis] for axis, p in enumerate(spec.placements) if type(p) in SHARDING_PLACEMENTS]
     device = layout._local_tensor.device
     slab_generator = _slab_generators.get(device)
     if slab_generator is None:
@@ -103,6 +106,7 @@ def _native_dropout(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tup
     return ShardTensor(slab * mask * scale, x._spec), ShardTensor(mask, x._spec)
 
 
-for _op in (*_SEEDED, *_WITH_GENERATOR):
-    ShardTensor.register_dispatch_handler(_op, _random_on_slabs)
-ShardTensor.register_dispatch_handler(aten.native_dropout.default, _native_dropout)
+# Strided layouts too: an elementwise draw keeps the layout, and the slabs must still differ.
+for _op, _handler in [*((op, _random_on_slabs) for op in (*_SEEDED, *_WITH_GENERATOR)), (aten.native_dropout.default, _native_dropout)]:
+    ShardTensor.register_dispatch_handler(_op, _handler)
+    register_strided_handler(_op, _handler)

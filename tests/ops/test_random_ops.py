@@ -71,6 +71,22 @@ def test_replicated_axes_draw_alike() -> None:
         assert not torch.equal(slabs[0], slabs[1]), name
 
 
+def _token_slabs() -> dict[str, torch.Tensor]:
+    """Each draw's slab on tokens flattened from a 2 x 2 decomposition (strided dims)."""
+    x = distribute_tensor(torch.ones(SHAPE), get_mesh((2, 2)), [Shard(2), Shard(3)]).flatten(2)
+    torch.manual_seed(7)
+    drawn = {name: draw(x) for name, draw in DRAWS.items()}
+    assert all(y.placements == x.placements for y in drawn.values()), "a draw changed the tokens' layout"
+    return {name: y._local_tensor.clone() for name, y in drawn.items()}
+
+
+def test_strided_token_slabs_draw_independently() -> None:
+    ranks = run_on_ranks(4, _token_slabs)
+    for name in DRAWS:
+        slabs = [rank[name] for rank in ranks]
+        assert all(not torch.equal(slabs[0], slab) for slab in slabs[1:]), f"{name}: two token slabs drew the same numbers"
+
+
 def _channel_dropout() -> torch.Tensor:
     x = distribute_tensor(torch.ones(2, 8, 6, 4), get_mesh((2,)), [Shard(2)], {0: [2, 4]})
     torch.manual_seed(3)
