@@ -166,8 +166,13 @@ def _sum(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> ShardTensor:
     plan = _plan(a["self"], a.get("dim"), bool(a.get("keepdim")))
     if _needs_no_communication(plan):
         return _run_locally(op, plan, args, kwargs)
-    total = torch.sum(plan.local, plan.dims, keepdim=True, dtype=a["dtype"])
-    return plan.wrap(_all_reduce(total, "sum", plan.groups))
+    add_up = torch.nansum if op is aten.nansum.default else torch.sum
+    dtype = a["dtype"] or plan.local.dtype
+    if accumulate_dtype(dtype) is dtype:  # (integer sums keep torch's promotion: dtype None)
+        return plan.wrap(_all_reduce(add_up(plan.local, plan.dims, keepdim=True, dtype=a["dtype"]), "sum", plan.groups))
+    # half precision: the partial sums stay float32 until the total is rounded once, as on one device
+    total = add_up(plan.local, plan.dims, keepdim=True, dtype=accumulate_dtype(dtype))
+    return plan.wrap(_all_reduce(total, "sum", plan.groups).to(dtype))
 
 
 def _mean(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> ShardTensor:
@@ -361,6 +366,7 @@ def _vector_norm(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> ShardT
 for _op, _handler in (
     (aten.sum.default, _sum),
     (aten.sum.dim_IntList, _sum),
+    (aten.nansum.default, _sum),
     (aten.mean.default, _mean),
     (aten.mean.dim, _mean),
     (aten.var.correction, _variance_family),

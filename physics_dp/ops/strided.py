@@ -39,6 +39,7 @@ from ..shard_tensor.conversions import without_strided_dims
 from . import conv, linear, normalization  # noqa: F401  (their function handlers are wrapped below)
 from ._args import bind, per_dim
 from ._local import groups_spanning
+from .reductions import accumulate_dtype
 
 aten = torch.ops.aten
 
@@ -151,11 +152,13 @@ def _reduction(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         keepdim = _dim_arg(args, kwargs, 2, "keepdim", False)
         dtype = _dim_arg(args, kwargs, 3, "dtype", None)
     reduced_axes = [a for a, p in enumerate(spec.placements) if type(p) in SHARDING_PLACEMENTS and p.dim in dims]
-    local = aten.sum.dim_IntList(tensor._local_tensor, list(dims), True, dtype=dtype)
+    result_dtype = dtype or tensor.dtype  # half precision sums in float32 and rounds once, as on one device
+    local = aten.sum.dim_IntList(tensor._local_tensor, list(dims), True, dtype=accumulate_dtype(result_dtype))
     if op is aten.mean.dim:
         local = local / math.prod(spec.shape[d] for d in dims)
     for group in groups_spanning(spec.mesh, tuple(reduced_axes)):
         local = collectives.all_reduce(local, "sum", group)
+    local = local.to(result_dtype)
     if not keepdim:
         local = local.squeeze(dims) if dims else local
     placements, sizes = [], []

@@ -210,6 +210,26 @@ def test_large_offset_nan_integer_and_low_precision_inputs() -> None:
     run_on_ranks(3, _edge_cases)
 
 
+def _half_precision_sums_round_once() -> bool:
+    """One rank's partial sum (70000) overflows float16; one device accumulates in float32 and
+    rounds the total (10000) once, and so must the sharded sum, on plain and strided layouts."""
+    values = torch.tensor([40000.0, 30000.0, -30000.0, -30000.0, 0, 0, 0, 0], dtype=torch.float16)
+    split = distribute_tensor(values, get_mesh((4,)), [Shard(0)])
+    for fn in (lambda t: t.sum(), lambda t: t.nansum(), lambda t: t.sum(0), lambda t: torch.einsum("i->", t)):
+        assert torch.equal(fn(split).full_tensor(), fn(values)), fn(split).full_tensor()
+    grid = torch.zeros(1, 1, 4, 4, dtype=torch.float16)
+    grid[0, 0, 0, :2] = values[:2]  # on the rank holding the (0, 0) block
+    grid[0, 0, 3, 2:] = values[2:4]
+    tokens = distribute_tensor(grid, get_mesh((2, 2)), [Shard(2), Shard(3)]).flatten(2)
+    for fn in (lambda t: t.sum(2), lambda t: t.mean(2)):
+        assert torch.equal(fn(tokens).full_tensor(), fn(grid.flatten(2))), fn(tokens).full_tensor()
+    return True
+
+
+def test_half_precision_partial_sums_do_not_overflow() -> None:
+    assert all(run_on_ranks(4, _half_precision_sums_round_once))
+
+
 def _partial_input() -> bool:
     """A pending sum is applied before reducing."""
     mesh = get_mesh((2,))
