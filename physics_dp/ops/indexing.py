@@ -393,17 +393,21 @@ def _index_put_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> 
 
 
 def _index_fill_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
-    """``x.index_fill(dim, index, value)`` (in place or not) along a sharded dim: each rank fills
-    the listed rows it owns, nothing sent (DTensor has no rule that writes into a sharded dim)."""
+    """``x.index_fill(dim, index, value)`` (in place or not): each rank fills the listed rows it
+    owns, nothing sent (DTensor has no rule that writes into a sharded dim, and refuses an in-place
+    fill of a dim held by a one-rank axis)."""
     x, dim, index, value = args
     dim %= max(x.ndim, 1)
     plain = replicated_plain(index)
-    axis = axis_splitting(x._spec, dim) if isinstance(x, ShardTensor) and not x._spec.has_partial else None
-    if axis is None or plain is None or isinstance(value, ShardTensor) or is_tracing():  # (the routing reads the index)
-        return propagate_and_run(op, args, kwargs)
+    if not isinstance(x, ShardTensor) or x._spec.has_partial or plain is None or isinstance(value, ShardTensor) or is_tracing():
+        return propagate_and_run(op, args, kwargs)  # (the routing reads the index)
     spec = x._spec
-    index, positions, first = _owned_entries(spec, dim, axis, plain.reshape(-1), "index_fill")
-    local_index = index.index_select(0, positions) - first
+    axis = axis_sharding(spec, dim)
+    if axis is None:
+        local_index = plain
+    else:
+        index, positions, first = _owned_entries(spec, dim, axis, plain.reshape(-1), "index_fill")
+        local_index = index.index_select(0, positions) - first
     if op._schema.name.endswith("_"):
         op(x._local_tensor, dim, local_index, value)
         return x
@@ -1168,8 +1172,8 @@ for _func in (torch.masked_select, torch.Tensor.masked_select):
     ShardTensor.register_function_handler(_func, _masked_select_handler)
 ShardTensor.register_function_handler(torch.Tensor.__getitem__, _getitem_handler)
 # in place: the handlers must see the tensor itself, in every layout (not a converted copy or its slab)
-ShardTensor.register_function_handler(torch.Tensor.__setitem__, _setitem_handler, strided=True, every_layout=True)
+ShardTensor.register_function_handler(torch.Tensor.__setitem__, _setitem_handler, every_layout=True)
 for _func in (torch.masked_scatter, torch.Tensor.masked_scatter, torch.Tensor.masked_scatter_):
-    ShardTensor.register_function_handler(_func, _masked_scatter_handler, strided=True, every_layout=True)
+    ShardTensor.register_function_handler(_func, _masked_scatter_handler, every_layout=True)
 for _func in (torch.select, torch.Tensor.select):
     ShardTensor.register_function_handler(_func, _select_function_handler)

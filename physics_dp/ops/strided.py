@@ -183,14 +183,23 @@ def expanded_shape(spec: ShardTensorSpec) -> list[int]:
 
 
 def _through_factors(trailing_dims: Callable[[tuple, dict], int]) -> Callable[[Any], Any]:
-    """Wrap a function handler for functions that act on the trailing dims of their first argument."""
+    """Wrap a function handler for functions that act on the trailing dims of their first argument.
+
+    Where a strided dim is among those trailing dims, or the second operand has batch dims
+    (``matmul`` would broadcast them against the factors), the handler gets contiguous layouts.
+    """
 
     def wrap(original: dispatch.FunctionHandler) -> dispatch.FunctionHandler:
         def handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
             x = args[0]
             spec = x._spec if isinstance(x, ShardTensor) else None
             strided = [] if spec is None else sorted({p.dim for p in spec.placements if type(p) is StridedShard})
-            if spec is None or not strided or max(strided) >= spec.ndim - trailing_dims(args, kwargs):
+            if spec is None or not strided:
+                return original(func, types, args, kwargs)
+            other = args[1] if len(args) > 1 else None
+            if max(strided) >= spec.ndim - trailing_dims(args, kwargs) or isinstance(other, torch.Tensor) and other.ndim > 2:
+                args, kwargs = (tuple(without_strided_dims(a) if isinstance(a, ShardTensor) else a for a in args),
+                                {k: without_strided_dims(v) if isinstance(v, ShardTensor) else v for k, v in kwargs.items()})
                 return original(func, types, args, kwargs)
             factors = {p.dim: p.factors for p in spec.placements if type(p) is StridedShard}
             out = func(x.view(expanded_shape(spec)), *args[1:], **kwargs)

@@ -102,15 +102,19 @@ def _has_strided(args: tuple, kwargs: dict) -> bool:
     return False
 
 
-def _map_strided(args: tuple, kwargs: dict, move: Callable[[Any], Any]) -> tuple[tuple, dict]:
-    """Arguments with every ShardTensor that has strided dims replaced by ``move(tensor)``."""
+def _map_strided(args: tuple, kwargs: dict, move: Callable[[Any], Any], memo: dict | None = None) -> tuple[tuple, dict]:
+    """Arguments with every ShardTensor that has strided dims replaced by ``move(tensor)``
+    (moved once each: ``memo`` maps ``id(tensor)`` to its move, and keeps it for the caller)."""
     cls = _ShardTensor
+    memo = {} if memo is None else memo
 
     def convert(value: Any) -> Any:
         if isinstance(value, (list, tuple)):
             return type(value)(convert(v) for v in value)
         if isinstance(value, cls) and value._spec.strided:
-            return move(value)
+            if id(value) not in memo:
+                memo[id(value)] = move(value)
+            return memo[id(value)]
         return value
 
     return tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()}
@@ -121,6 +125,107 @@ def _contiguous_below_autograd(tensor: Any) -> Any:
 
     target = contiguous_layout(tensor._spec)
     return _ShardTensor(redistribute_local(tensor._local_tensor, tensor._spec, target), target)
+
+
+# ----- writes into strided tensors ------------------------------------------------------------
+# An op that knows no strided layout runs on a contiguous copy of its strided inputs.  An op that
+# writes into one (in place, ``out=``, ``x[i] = v``) then wrote into the copy, and the tensor
+# itself kept its old values; so the copy's new values are moved back into it.
+def _strided_destinations(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[Any]:
+    """The strided ShardTensors ``op`` writes into (from its schema's alias annotations)."""
+    if not op._schema.is_mutable:
+        return []
+    written = []
+    for position, argument in enumerate(op._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[position] if position < len(args) else kwargs.get(argument.name)
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(item, _ShardTensor) and item._spec.strided:
+                written.append(item)
+    return written
+
+
+def _written_back(result: Any, written: list[Any], memo: dict[int, Any]) -> Any:
+    """Below autograd: each written tensor's slab takes its copy's new values; the result names
+    the written tensors themselves, not their copies."""
+    from .redistribute import redistribute_local
+
+    copies = {}
+    for tensor in written:
+        moved = memo[id(tensor)]
+        tensor._local_tensor.copy_(redistribute_local(moved._local_tensor, moved._spec, tensor._spec))
+        copies[id(moved)] = tensor
+
+    def original(value: Any) -> Any:
+        if isinstance(value, (list, tuple)):
+            return type(value)(original(v) for v in value)
+        return copies.get(id(value), value)
+
+    return original(result)
+
+
+def _written_arguments(op: torch._ops.OpOverload) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument ``op`` writes into."""
+    return tuple(
+        (position, argument.name) for position, argument in enumerate(op._schema.arguments)
+        if argument.alias_info is not None and argument.alias_info.is_write
+    )
+
+
+# A view of such a copy (``t[:, :4]`` of strided tokens ``t``) is no view of ``t``: a write into it
+# would be lost, so such views are marked, and a write into one raises on every rank.
+_WRITES_ARE_LOST = "_physics_dp_view_of_a_copy"
+
+
+def _marked(result: Any) -> Any:
+    for item in result if isinstance(result, (list, tuple)) else (result,):
+        if isinstance(item, _ShardTensor):
+            setattr(item, _WRITES_ARE_LOST, True)
+    return result
+
+
+def _is_view_of_a_copy(tensor: Any) -> bool:
+    with torch._C.DisableTorchFunctionSubclass():
+        base = tensor._base
+    return getattr(tensor, _WRITES_ARE_LOST, False) or getattr(base, _WRITES_ARE_LOST, False)
+
+
+def _refuse_writes_into_copies(op: torch._ops.OpOverload, args: tuple, kwargs: dict, writes: tuple) -> None:
+    for position, name in writes:
+        target = args[position] if position < len(args) else kwargs.get(name)
+        if isinstance(target, _ShardTensor) and _is_view_of_a_copy(target):
+            raise RuntimeError(
+                f"{op}: writes into a view of a copy of tokens with strided dims ({tuple(target.shape)}, "
+                f"{list(target.placements)}): the view needed data from other ranks, so the write would not reach "
+                "the tensor it views. Write into that tensor itself (t[index] = value), or use the out-of-place op."
+            )
+
+
+def _function_destination(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The ShardTensor a torch function writes into, if any: ``out=``, ``x[i] = v``, ``x += y``, ``x.op_()``."""
+    out = kwargs.get("out")
+    if isinstance(out, _ShardTensor):
+        return out
+    name = getattr(func, "__name__", "")
+    in_place = name == "__setitem__" or name.startswith("__i") or (name.endswith("_") and not name.startswith("_"))
+    return args[0] if in_place and args and isinstance(args[0], _ShardTensor) else None
+
+
+def _with_strided_write_back(func: Any, handler: FunctionHandler, types: tuple, args: tuple, kwargs: dict) -> Any:
+    """A function handler that knows no strided layout, on contiguous copies of its strided
+    inputs; a strided tensor it writes into takes the new values back (a differentiable copy)."""
+    from .conversions import redistribute_to_spec, without_strided_dims
+
+    destination = _function_destination(func, args, kwargs)
+    args, kwargs = _map_strided(args, kwargs, without_strided_dims, memo := {})
+    result = _run_function_handler(func, handler, types, args, kwargs)
+    if destination is None or id(destination) not in memo:
+        _marked(list(memo.values()))  # views of them in ``result`` are views of copies
+        return result
+    moved = memo[id(destination)]
+    destination.copy_(redistribute_to_spec(moved, destination._spec))
+    return destination if result is moved else result
 
 
 # ----- pointwise torch functions (the fast path before the dispatcher) ----------------------
@@ -194,8 +299,11 @@ def _pointwise_function_fast_path(func: Any, args: tuple, kwargs: dict) -> Any:
     for value in kwargs.values():
         if isinstance(value, torch.Tensor):
             return NotImplemented
+    in_place = func in _INPLACE_POINTWISE_FUNCTIONS or kwargs.get("inplace")
+    if in_place and _is_view_of_a_copy(args[0]):
+        return NotImplemented  # the dispatcher refuses it
     result = func(*local_args, **kwargs)
-    if func in _INPLACE_POINTWISE_FUNCTIONS or kwargs.get("inplace"):
+    if in_place:
         return args[0]
     return cls(result, spec)
 
@@ -311,15 +419,8 @@ def _eager_torch_function(func: Any, types: tuple, args: tuple, kwargs: dict) ->
     handler = _function_handlers.get(func)
     if handler is not None:
         if func not in _strided_functions and _has_strided(args, kwargs):
-            from .conversions import without_strided_dims
-
-            args, kwargs = _map_strided(args, kwargs, without_strided_dims)
-        like = local_only_spec(args, kwargs)
-        if like is None or func in _every_layout_functions:
-            return handler(func, types, args, kwargs)
-        if func in RETURNS_VIEWS:  # torch's own composite: its aten views stay views for autograd
-            return run_default(func, args, kwargs)
-        return run_function_on_slabs(func, args, kwargs, like)
+            return _with_strided_write_back(func, handler, types, args, kwargs)
+        return _run_function_handler(func, handler, types, args, kwargs)
     if func in _AUTOGRAD_ENTRY_POINTS:
         # The backward pass runs Python that meets ShardTensors as the forward did (activation
         # checkpointing recomputes the forward in it; hooks; custom Functions): it must reach the
@@ -339,6 +440,16 @@ def _eager_torch_function(func: Any, types: tuple, args: tuple, kwargs: dict) ->
             if result is not NotImplemented:
                 return result
         return _run_default_unguarded(func, args, kwargs)
+
+
+def _run_function_handler(func: Any, handler: FunctionHandler, types: tuple, args: tuple, kwargs: dict) -> Any:
+    """``handler``, or the function on the slabs where no input needs communication."""
+    like = local_only_spec(args, kwargs)
+    if like is None or func in _every_layout_functions:
+        return handler(func, types, args, kwargs)
+    if func in RETURNS_VIEWS:  # torch's own composite: its aten views stay views for autograd
+        return run_default(func, args, kwargs)
+    return run_function_on_slabs(func, args, kwargs, like)
 
 
 def run_default(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -384,7 +495,7 @@ _dispatch_handlers[torch.ops.aten.fill_.Tensor] = _fill_with_scalar_tensor
 
 _NOT_POINTWISE, _POINTWISE, _POINTWISE_INPLACE = 0, 1, 2
 # op -> (registered handler, pointwise kind, handler registered first): one lookup per op on the hot path
-_aten_plans: dict[torch._ops.OpOverload, tuple[DispatchHandler | None, int, DispatchHandler | None]] = {}
+_aten_plans: dict[torch._ops.OpOverload, tuple[DispatchHandler | None, int, DispatchHandler | None, tuple]] = {}
 _aten = torch.ops.aten
 # Elementwise activation gradients that torch does not tag pointwise and DTensor has no rule for
 # (``F.relu6``, ``hardswish``, ``logsigmoid``... raised in backward): they read the gradient and the
@@ -445,8 +556,18 @@ def torch_dispatch(cls: type, op: torch._ops.OpOverload, types: tuple, args: tup
         kwargs = {}
     plan = _aten_plans.get(op)
     if plan is None:
-        plan = _aten_plans[op] = (_dispatch_handlers.get(op), _classify(op), _first_handlers.get(op))
-    handler, kind, first = plan
+        plan = _aten_plans[op] = (
+            _dispatch_handlers.get(op), _classify(op), _first_handlers.get(op), _written_arguments(op), op.is_view
+        )
+    handler, kind, first, writes, is_view = plan
+    if writes:
+        _refuse_writes_into_copies(op, args, kwargs, writes)
+    if is_view and getattr(args[0], _WRITES_ARE_LOST, False):
+        return _marked(_dispatch_planned(op, args, kwargs, handler, kind, first))
+    return _dispatch_planned(op, args, kwargs, handler, kind, first)
+
+
+def _dispatch_planned(op: torch._ops.OpOverload, args: tuple, kwargs: dict, handler: Any, kind: int, first: Any) -> Any:
     if first is not None:
         result = first(op, args, kwargs)
         if result is not NotImplemented:
@@ -460,7 +581,17 @@ def torch_dispatch(cls: type, op: torch._ops.OpOverload, types: tuple, args: tup
         result = NotImplemented if strided_handler is None else strided_handler(op, args, kwargs)
         if result is not NotImplemented:
             return result
-        args, kwargs = _map_strided(args, kwargs, _contiguous_below_autograd)
+        written = _strided_destinations(op, args, kwargs)
+        args, kwargs = _map_strided(args, kwargs, _contiguous_below_autograd, memo := {})
+        if written:
+            return _written_back(_dispatch_contiguous(op, args, kwargs, handler, kind), written, memo)
+        result = _dispatch_contiguous(op, args, kwargs, handler, kind)
+        return _marked(result) if op.is_view else result  # a view of a copy
+    return _dispatch_contiguous(op, args, kwargs, handler, kind)
+
+
+def _dispatch_contiguous(op: torch._ops.OpOverload, args: tuple, kwargs: dict, handler: Any, kind: int) -> Any:
+    """The aten handlers and the fallback, for arguments without strided dims."""
     like = local_only_spec(args, kwargs)
     if like is not None:
         return run_aten_on_slabs(op, args, kwargs, like)

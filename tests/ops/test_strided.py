@@ -140,6 +140,76 @@ def test_ops_that_need_global_token_order_are_exact(layout):
     run_on_ranks(math.prod(LAYOUTS[layout][0]), _unaware_matches, layout, timeout=120.0)
 
 
+# ----- writes into strided tokens, and ops that contract or normalize over them ---------------------
+def _written(write):
+    def fn(x):
+        t = _tokens(x).clone()
+        write(t)
+        return _untokens(t, SHAPE[1])
+
+    return fn
+
+
+WRITES = {
+    "t[:, 0] = 0": lambda t: t.__setitem__((slice(None), 0), 0.0),
+    "t[:, 2:9] = -1": lambda t: t.__setitem__((slice(None), slice(2, 9)), -1.0),
+    "t[:, 17] = t[:, 1]": lambda t: t.__setitem__((slice(None), 17), t[:, 1].clone()),
+    "t[..., 1] = 7": lambda t: t.__setitem__((Ellipsis, 1), 7.0),
+    "t.index_fill_ over tokens": lambda t: t.index_fill_(1, torch.tensor([0, 9]), 2.0),
+    "t.masked_fill_(t > 0.5, 0)": lambda t: t.masked_fill_(t > 0.5, 0.0),
+    "t.zero_()": lambda t: t.zero_(),
+    "t.copy_(t.flip(1))": lambda t: t.copy_(t.flip(1)),
+    "t += t.cumsum(1)": lambda t: t.__iadd__(t.cumsum(1)),
+}
+
+
+def _w(generator, *shape):
+    return torch.randn(*shape, generator=generator)
+
+
+CONTRACTIONS = {
+    "t @ batched plain w": lambda x, w: _tokens(x) @ w,
+    "t @ t^T": lambda x, w: _tokens(x) @ _tokens(x).transpose(1, 2),
+    "linear over the token dim": lambda x, w: F.linear(x.flatten(2), w[0, :3]),
+    "layer_norm over the token dim": lambda x, w: F.layer_norm(x.flatten(2), (SHAPE[2] * SHAPE[3],)) * 2,
+}
+
+
+def _writes_and_contractions_match(layout):
+    mesh_shape, placements, sizes = LAYOUTS[layout]
+    mesh = get_mesh(mesh_shape)
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(SHAPE, generator=generator)
+    for name, write in WRITES.items():
+        assert_sharded_matches(_written(write), [x], mesh, [placements], sharding_sizes=[sizes], atol=1e-5, rtol=1e-5)
+    w = _w(generator, SHAPE[0], SHAPE[1], 35)  # batched like the tokens: (N, C, L)
+    for name, fn in CONTRACTIONS.items():
+        assert_sharded_matches(_module_of(fn, [w]), [x], mesh, [placements], sharding_sizes=[sizes], atol=1e-4, rtol=1e-4)
+    out = distribute_tensor(torch.zeros(SHAPE), mesh, placements, sizes).flatten(2).transpose(1, 2)
+    torch.add(_tokens(distribute_tensor(x, mesh, placements, sizes)), 1, out=out)
+    assert torch.equal(out.full_tensor(), _tokens(x) + 1), "out= into strided tokens"
+    return True
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_writes_into_tokens_and_contractions_over_them_match(layout):
+    run_on_ranks(math.prod(LAYOUTS[layout][0]), _writes_and_contractions_match, layout, timeout=120.0)
+
+
+def _write_into_a_copied_view():
+    mesh_shape, placements, sizes = LAYOUTS["2x2"]
+    t = distribute_tensor(torch.randn(SHAPE), get_mesh(mesh_shape), placements, sizes).flatten(2).transpose(1, 2).clone()
+    with pytest.raises(RuntimeError, match="writes into a view of a copy"):
+        t[:, 2:9].mul_(0)
+    return True
+
+
+def test_a_write_into_a_view_that_is_a_copy_raises_on_every_rank():
+    """A slice across the token dim is a copy (its rows live on other ranks): writing into it
+    would not reach the tokens, so it raises instead of losing the write."""
+    assert all(run_on_ranks(4, _write_into_a_copied_view))
+
+
 def _flatten_layout():
     mesh = get_mesh((2, 2))
     x = distribute_tensor(torch.arange(2 * 3 * 7 * 5.0).reshape(2, 3, 7, 5), mesh, [Shard(2), Shard(3)], {0: (4, 3), 1: (2, 3)})
