@@ -36,7 +36,7 @@ from ..shard_tensor import dispatch
 from ..shard_tensor.fallback import propagate_and_run
 from ..shard_tensor.placements import SHARDING_PLACEMENTS, StridedShard
 from ..shard_tensor.conversions import without_strided_dims
-from . import conv, linear, normalization  # noqa: F401  (their function handlers are wrapped below)
+from . import conv, indexing, linear, normalization  # noqa: F401  (their function handlers are wrapped below)
 from ._args import bind, per_dim
 from ._local import groups_spanning
 from .reductions import accumulate_dtype
@@ -85,6 +85,8 @@ def _dim_map(op: torch._ops.OpOverload, args: tuple, kwargs: dict, ndim: int) ->
         dims = args[1] if isinstance(args[1], (list, tuple)) else [args[1]]
         gone = {d % ndim for d in dims}
         return lambda d: None if d in gone else d - sum(g < d for g in gone)
+    if op in _ALONG_ONE_DIM:
+        return lambda d: d
     return None
 
 
@@ -103,13 +105,21 @@ def _structural(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
             new_dim = _dim_map(op, args, kwargs, spec.ndim)
     meta_out = op(_meta(spec, tensor.dtype), *args[1:], **kwargs)
     pieces = isinstance(meta_out, (list, tuple))
-    if pieces and not meta_out:
-        return []
-    out_spec = _moved_spec(spec, new_dim, meta_out[0] if pieces else meta_out)
-    if out_spec is None:  # the op removes a sharded dim
+    out_specs = [_moved_spec(spec, new_dim, m) for m in (meta_out if pieces else [meta_out])]  # (split pieces differ)
+    if None in out_specs:  # the op removes a sharded dim
         return NotImplemented
     local_out = op(tensor._local_tensor, *args[1:], **kwargs)
-    return [ShardTensor(t, out_spec) for t in local_out] if pieces else ShardTensor(local_out, out_spec)
+    return [ShardTensor(t, s) for t, s in zip(local_out, out_specs)] if pieces else ShardTensor(local_out, out_specs[0])
+
+
+def _along_an_unsharded_dim(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """Slices and splits of a dim no mesh axis shards (``t[..., :d]``, ``t.chunk(2, -1)``): the
+    slab's own view, placements unchanged; along a sharded dim: declined (a contiguous layout)."""
+    spec = args[0]._spec
+    dim = _dim_arg(args, kwargs, 1 if op is aten.slice.Tensor else 2, "dim") % spec.ndim
+    if any(type(p) in SHARDING_PLACEMENTS and p.dim == dim for p in spec.placements):
+        return NotImplemented
+    return _structural(op, args, kwargs)
 
 
 def _stack(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
@@ -213,6 +223,25 @@ def _through_factors(trailing_dims: Callable[[tuple, dict], int]) -> Callable[[A
     return wrap
 
 
+def _is_basic_key(key: Any) -> bool:
+    """An index of ints, slices, ``None`` and ``...`` only: views, each along one dim."""
+    entries = key if isinstance(key, tuple) else (key,)
+    return all(e is None or e is Ellipsis or isinstance(e, (int, slice)) and not isinstance(e, bool) for e in entries)
+
+
+def _basic_indexing_keeps_the_layout(original: dispatch.FunctionHandler) -> dispatch.FunctionHandler:
+    """``t[..., :d]``, ``t[:, :, 1]``, ``t[None]`` on strided tokens: torch's own views, which keep
+    the layout along unsharded dims; other keys (lists, masks) on a contiguous layout."""
+
+    def handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
+        x = args[0]
+        if isinstance(x, ShardTensor) and x._spec.strided and _is_basic_key(args[1]):
+            return dispatch.run_default(func, args, kwargs)
+        return dispatch.run_with_contiguous_layouts(func, original, types, args, kwargs)
+
+    return handler
+
+
 def _normalized_dims(args: tuple, kwargs: dict) -> int:
     shape = _dim_arg(args, kwargs, 1, "normalized_shape")
     return 1 if isinstance(shape, int) else len(shape)
@@ -261,6 +290,7 @@ def _register_function_wrappers() -> None:
         torch.Tensor.matmul: _through_factors(lambda args, kwargs: 1),
         torch.Tensor.__matmul__: _through_factors(lambda args, kwargs: 1),
         F.layer_norm: _through_factors(_normalized_dims),
+        torch.Tensor.__getitem__: _basic_indexing_keeps_the_layout,
     }
     for func, wrap in wrappers.items():
         original = dispatch.registered_function_handler(func)
@@ -279,6 +309,7 @@ _STRUCTURAL = (
     aten.squeeze.dim,
     aten.squeeze.dims,
 )
+_ALONG_ONE_DIM = (aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default)
 _SAME_LAYOUT = (
     aten.clone.default,
     aten.detach.default,
@@ -290,6 +321,8 @@ _SAME_LAYOUT = (
 )
 for _op in _STRUCTURAL:
     ShardTensor.register_strided_handler(_op, _structural)
+for _op in _ALONG_ONE_DIM:
+    ShardTensor.register_strided_handler(_op, _along_an_unsharded_dim)
 
 
 def _or_fallback(handler: Callable[[torch._ops.OpOverload, tuple, dict], Any]) -> Callable[[torch._ops.OpOverload, tuple, dict], Any]:

@@ -212,7 +212,7 @@ def _function_destination(func: Any, args: tuple, kwargs: dict) -> Any:
     return args[0] if in_place and args and isinstance(args[0], _ShardTensor) else None
 
 
-def _with_strided_write_back(func: Any, handler: FunctionHandler, types: tuple, args: tuple, kwargs: dict) -> Any:
+def run_with_contiguous_layouts(func: Any, handler: FunctionHandler, types: tuple, args: tuple, kwargs: dict) -> Any:
     """A function handler that knows no strided layout, on contiguous copies of its strided
     inputs; a strided tensor it writes into takes the new values back (a differentiable copy)."""
     from .conversions import redistribute_to_spec, without_strided_dims
@@ -419,7 +419,7 @@ def _eager_torch_function(func: Any, types: tuple, args: tuple, kwargs: dict) ->
     handler = _function_handlers.get(func)
     if handler is not None:
         if func not in _strided_functions and _has_strided(args, kwargs):
-            return _with_strided_write_back(func, handler, types, args, kwargs)
+            return run_with_contiguous_layouts(func, handler, types, args, kwargs)
         return _run_function_handler(func, handler, types, args, kwargs)
     if func in _AUTOGRAD_ENTRY_POINTS:
         # The backward pass runs Python that meets ShardTensors as the forward did (activation

@@ -160,6 +160,8 @@ WRITES = {
     "t.zero_()": lambda t: t.zero_(),
     "t.copy_(t.flip(1))": lambda t: t.copy_(t.flip(1)),
     "t += t.cumsum(1)": lambda t: t.__iadd__(t.cumsum(1)),
+    "t[..., :2].mul_(0) (a view)": lambda t: t[..., :2].mul_(0),
+    "t.narrow(2, 2, 2).add_(1) (a view)": lambda t: t.narrow(2, 2, 2).add_(1),
 }
 
 
@@ -194,6 +196,29 @@ def _writes_and_contractions_match(layout):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_writes_into_tokens_and_contractions_over_them_match(layout):
     run_on_ranks(math.prod(LAYOUTS[layout][0]), _writes_and_contractions_match, layout, timeout=120.0)
+
+
+def _views_along_the_embedding_keep_the_layout():
+    mesh_shape, placements, sizes = LAYOUTS["2x2"]
+    x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(3))
+    t = _tokens(distribute_tensor(x, get_mesh(mesh_shape), placements, sizes))
+    views = {
+        "t[..., :2]": lambda t: t[..., :2], "t[:, :, 1]": lambda t: t[:, :, 1], "t[None]": lambda t: t[None],
+        "t.narrow(2, 1, 2)": lambda t: t.narrow(2, 1, 2), "t.chunk(2, -1)[1]": lambda t: t.chunk(2, -1)[1],
+        "t.split([1, 3], -1)[1]": lambda t: t.split([1, 3], -1)[1],
+    }
+    for name, view in views.items():
+        with count_communication() as sent:
+            out = view(t)
+        assert sent.calls == 0, (name, sent.kinds())
+        assert any(type(p) is StridedShard for p in out.placements), (name, out.placements)
+        assert torch.equal(out.full_tensor(), view(_tokens(x))), name
+    return True
+
+
+def test_views_along_the_embedding_keep_the_token_layout_and_send_nothing():
+    """Before, ``t[..., :d]`` or ``t.chunk(2, -1)`` of strided tokens gathered them into a contiguous layout."""
+    assert all(run_on_ranks(4, _views_along_the_embedding_keep_the_layout))
 
 
 def _write_into_a_copied_view():
