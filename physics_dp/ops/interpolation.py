@@ -486,6 +486,13 @@ def _interpolate_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> 
             f"antialias=True keeps dims {kept} as they are, but torch's backward resamples them with their scale factor "
             "(not the forward's gradient); give size=, recompute_scale_factor=True, or a factor of 1.0 for them",
         )
+    if bound["antialias"] and out_shape[-1] == 1 and out_shape[-2] not in (1, x.shape[-2]):
+        raise ShardedOpError(
+            "interpolate", [x],
+            f"antialias=True to a width of 1 while resizing the height ({tuple(x.shape[-2:])} -> {tuple(out_shape[-2:])}): "
+            "torch 2.13's CPU kernel then repeats its first output row (not its own separable filter), which a "
+            "sharded resize cannot equal; resize the height first and then the width to 1, or drop antialias",
+        )
     if mode == "area":
         return _ADAPTIVE_AVG[x.ndim - 2](x, list(out_shape[2:]))
     return _resize(x, bound, out_shape)

@@ -74,7 +74,8 @@ def test_downsampling_widens_the_taps_with_the_factor():
 
 def test_torch_cpu_output_width_one():
     # torch's CPU kernel gives every row of a vertical pass whose output is 1 wide the first row's
-    # taps; the sharded result follows the filter, as torch does for any wider output
+    # taps (unlike its filter for any wider output), so a sharded resize that would differ raises
+    # (test_resizing_the_height_to_a_width_of_one_raises); when torch fixes this, drop that error
     x = torch.arange(16.0).view(1, 1, 8, 2)
     wide = F.interpolate(x, size=(4, 2), mode="bilinear", antialias=True)
     narrow = F.interpolate(x[..., :1], size=(4, 1), mode="bilinear", antialias=True)
@@ -197,3 +198,18 @@ def test_a_kept_dim_with_a_factor_raises_when_differentiated():
         assert error < 1e-6
         assert message.startswith("interpolate") and "Shard(dim=2)" in message and "keeps dims [3]" in message
         assert "recompute_scale_factor=True" in message
+
+
+def _width_one_raises() -> str:
+    plain = torch.randn(2, 3, 12, 8, generator=torch.Generator().manual_seed(0))
+    x = distribute_tensor(plain, get_mesh((2,)), [Shard(2)])
+    kept = {"size": (12, 1), "mode": "bilinear", "antialias": True}  # the height kept: exact
+    torch.testing.assert_close(F.interpolate(x, **kept).full_tensor(), F.interpolate(plain, **kept))
+    with pytest.raises(ShardedOpError) as info:
+        F.interpolate(x, size=(3, 1), mode="bilinear", antialias=True)
+    return str(info.value)
+
+
+def test_resizing_the_height_to_a_width_of_one_raises():
+    for message in run_on_ranks(2, _width_one_raises):
+        assert "width of 1" in message and "resize the height first" in message
