@@ -208,9 +208,7 @@ def _through_factors(trailing_dims: Callable[[tuple, dict], int]) -> Callable[[A
                 return original(func, types, args, kwargs)
             other = args[1] if len(args) > 1 else None
             if max(strided) >= spec.ndim - trailing_dims(args, kwargs) or isinstance(other, torch.Tensor) and other.ndim > 2:
-                args, kwargs = (tuple(without_strided_dims(a) if isinstance(a, ShardTensor) else a for a in args),
-                                {k: without_strided_dims(v) if isinstance(v, ShardTensor) else v for k, v in kwargs.items()})
-                return original(func, types, args, kwargs)
+                return dispatch.run_with_contiguous_layouts(func, original, types, args, kwargs)
             factors = {p.dim: p.factors for p in spec.placements if type(p) is StridedShard}
             out = func(x.view(expanded_shape(spec)), *args[1:], **kwargs)
             for dim in reversed(strided):  # flatten back from the right: earlier dims keep their index

@@ -15,7 +15,8 @@ Strided dims (``StridedShard``, the tokens of a 2-D decomposition) reach only ha
 know them: pointwise ops on equal specs, function handlers registered with ``strided=True`` and
 aten handlers registered with :func:`register_strided_handler`.  Every other op gets those inputs
 in a contiguous layout first (:func:`~.redistribute.contiguous_layout`), which costs a gather
-but is never wrong.
+but is never wrong: a strided tensor the op writes into takes the copy's new values back, and a
+write into a view of such a copy raises.
 """
 
 from __future__ import annotations
@@ -131,15 +132,11 @@ def _contiguous_below_autograd(tensor: Any) -> Any:
 # An op that knows no strided layout runs on a contiguous copy of its strided inputs.  An op that
 # writes into one (in place, ``out=``, ``x[i] = v``) then wrote into the copy, and the tensor
 # itself kept its old values; so the copy's new values are moved back into it.
-def _strided_destinations(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[Any]:
-    """The strided ShardTensors ``op`` writes into (from its schema's alias annotations)."""
-    if not op._schema.is_mutable:
-        return []
+def _strided_destinations(writes: tuple[tuple[int, str], ...], args: tuple, kwargs: dict) -> list[Any]:
+    """The strided ShardTensors among the arguments an op writes into (:func:`_written_arguments`)."""
     written = []
-    for position, argument in enumerate(op._schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        value = args[position] if position < len(args) else kwargs.get(argument.name)
+    for position, name in writes:
+        value = args[position] if position < len(args) else kwargs.get(name)
         for item in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(item, _ShardTensor) and item._spec.strided:
                 written.append(item)
@@ -494,8 +491,9 @@ def _fallback(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
 _dispatch_handlers[torch.ops.aten.fill_.Tensor] = _fill_with_scalar_tensor
 
 _NOT_POINTWISE, _POINTWISE, _POINTWISE_INPLACE = 0, 1, 2
-# op -> (registered handler, pointwise kind, handler registered first): one lookup per op on the hot path
-_aten_plans: dict[torch._ops.OpOverload, tuple[DispatchHandler | None, int, DispatchHandler | None, tuple]] = {}
+# op -> (registered handler, pointwise kind, handler registered first, the arguments it writes
+# into, whether it is a view): one lookup per op on the hot path
+_aten_plans: dict[torch._ops.OpOverload, tuple[DispatchHandler | None, int, DispatchHandler | None, tuple, bool]] = {}
 _aten = torch.ops.aten
 # Elementwise activation gradients that torch does not tag pointwise and DTensor has no rule for
 # (``F.relu6``, ``hardswish``, ``logsigmoid``... raised in backward): they read the gradient and the
@@ -559,15 +557,15 @@ def torch_dispatch(cls: type, op: torch._ops.OpOverload, types: tuple, args: tup
         plan = _aten_plans[op] = (
             _dispatch_handlers.get(op), _classify(op), _first_handlers.get(op), _written_arguments(op), op.is_view
         )
+    if plan[3]:
+        _refuse_writes_into_copies(op, args, kwargs, plan[3])
+    if plan[4] and getattr(args[0], _WRITES_ARE_LOST, False):
+        return _marked(_dispatch_planned(op, args, kwargs, plan))
+    return _dispatch_planned(op, args, kwargs, plan)
+
+
+def _dispatch_planned(op: torch._ops.OpOverload, args: tuple, kwargs: dict, plan: tuple) -> Any:
     handler, kind, first, writes, is_view = plan
-    if writes:
-        _refuse_writes_into_copies(op, args, kwargs, writes)
-    if is_view and getattr(args[0], _WRITES_ARE_LOST, False):
-        return _marked(_dispatch_planned(op, args, kwargs, handler, kind, first))
-    return _dispatch_planned(op, args, kwargs, handler, kind, first)
-
-
-def _dispatch_planned(op: torch._ops.OpOverload, args: tuple, kwargs: dict, handler: Any, kind: int, first: Any) -> Any:
     if first is not None:
         result = first(op, args, kwargs)
         if result is not NotImplemented:
@@ -581,12 +579,12 @@ def _dispatch_planned(op: torch._ops.OpOverload, args: tuple, kwargs: dict, hand
         result = NotImplemented if strided_handler is None else strided_handler(op, args, kwargs)
         if result is not NotImplemented:
             return result
-        written = _strided_destinations(op, args, kwargs)
+        written = _strided_destinations(writes, args, kwargs)
         args, kwargs = _map_strided(args, kwargs, _contiguous_below_autograd, memo := {})
         if written:
             return _written_back(_dispatch_contiguous(op, args, kwargs, handler, kind), written, memo)
         result = _dispatch_contiguous(op, args, kwargs, handler, kind)
-        return _marked(result) if op.is_view else result  # a view of a copy
+        return _marked(result) if is_view else result  # a view of a copy
     return _dispatch_contiguous(op, args, kwargs, handler, kind)
 
 
