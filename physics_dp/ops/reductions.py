@@ -168,11 +168,12 @@ def _sum(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> ShardTensor:
         return _run_locally(op, plan, args, kwargs)
     add_up = torch.nansum if op is aten.nansum.default else torch.sum
     dtype = a["dtype"] or plan.local.dtype
-    if accumulate_dtype(dtype) is dtype:  # (integer sums keep torch's promotion: dtype None)
-        return plan.wrap(_all_reduce(add_up(plan.local, plan.dims, keepdim=True, dtype=a["dtype"]), "sum", plan.groups))
-    # half precision: the partial sums stay float32 until the total is rounded once, as on one device
-    total = add_up(plan.local, plan.dims, keepdim=True, dtype=accumulate_dtype(dtype))
-    return plan.wrap(_all_reduce(total, "sum", plan.groups).to(dtype))
+    # half precision: the partial sums stay float32 until the total is rounded once, as on one
+    # device; other dtypes keep torch's own (integer sums promote with dtype None)
+    widened = accumulate_dtype(dtype) is not dtype
+    total = add_up(plan.local, plan.dims, keepdim=True, dtype=accumulate_dtype(dtype) if widened else a["dtype"])
+    total = _all_reduce(total, "sum", plan.groups)
+    return plan.wrap(total.to(dtype) if widened else total)
 
 
 def _mean(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> ShardTensor:

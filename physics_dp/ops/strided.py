@@ -105,7 +105,13 @@ def _structural(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
             new_dim = _dim_map(op, args, kwargs, spec.ndim)
     meta_out = op(_meta(spec, tensor.dtype), *args[1:], **kwargs)
     pieces = isinstance(meta_out, (list, tuple))
-    out_specs = [_moved_spec(spec, new_dim, m) for m in (meta_out if pieces else [meta_out])]  # (split pieces differ)
+    specs_by_layout: dict[tuple, ShardTensorSpec | None] = {}  # one per distinct piece: unbind's are alike, split's may differ
+    out_specs = []
+    for piece in meta_out if pieces else [meta_out]:
+        layout = (piece.shape, piece.stride())
+        if layout not in specs_by_layout:
+            specs_by_layout[layout] = _moved_spec(spec, new_dim, piece)
+        out_specs.append(specs_by_layout[layout])
     if None in out_specs:  # the op removes a sharded dim
         return NotImplemented
     local_out = op(tensor._local_tensor, *args[1:], **kwargs)

@@ -132,14 +132,12 @@ def _contiguous_below_autograd(tensor: Any) -> Any:
 # An op that knows no strided layout runs on a contiguous copy of its strided inputs.  An op that
 # writes into one (in place, ``out=``, ``x[i] = v``) then wrote into the copy, and the tensor
 # itself kept its old values; so the copy's new values are moved back into it.
-def _strided_destinations(writes: tuple[tuple[int, str], ...], args: tuple, kwargs: dict) -> list[Any]:
-    """The strided ShardTensors among the arguments an op writes into (:func:`_written_arguments`)."""
+def _written_tensors(writes: tuple[tuple[int, str], ...], args: tuple, kwargs: dict) -> list[Any]:
+    """The ShardTensors among the arguments an op writes into (:func:`_written_arguments`), lists included."""
     written = []
     for position, name in writes:
         value = args[position] if position < len(args) else kwargs.get(name)
-        for item in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(item, _ShardTensor) and item._spec.strided:
-                written.append(item)
+        written.extend(item for item in (value if isinstance(value, (list, tuple)) else (value,)) if isinstance(item, _ShardTensor))
     return written
 
 
@@ -189,9 +187,8 @@ def _is_view_of_a_copy(tensor: Any) -> bool:
 
 
 def _refuse_writes_into_copies(op: torch._ops.OpOverload, args: tuple, kwargs: dict, writes: tuple) -> None:
-    for position, name in writes:
-        target = args[position] if position < len(args) else kwargs.get(name)
-        if isinstance(target, _ShardTensor) and _is_view_of_a_copy(target):
+    for target in _written_tensors(writes, args, kwargs):
+        if _is_view_of_a_copy(target):
             raise RuntimeError(
                 f"{op}: writes into a view of a copy of tokens with strided dims ({tuple(target.shape)}, "
                 f"{list(target.placements)}): the view needed data from other ranks, so the write would not reach "
@@ -579,7 +576,7 @@ def _dispatch_planned(op: torch._ops.OpOverload, args: tuple, kwargs: dict, plan
         result = NotImplemented if strided_handler is None else strided_handler(op, args, kwargs)
         if result is not NotImplemented:
             return result
-        written = _strided_destinations(writes, args, kwargs)
+        written = [t for t in _written_tensors(writes, args, kwargs) if t._spec.strided]
         args, kwargs = _map_strided(args, kwargs, _contiguous_below_autograd, memo := {})
         if written:
             return _written_back(_dispatch_contiguous(op, args, kwargs, handler, kind), written, memo)
