@@ -19,7 +19,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed import ProcessGroup
 
 from .host_channel import HostChannel, channel_for, opened_channel
-from .tracing import is_tracing
+from .tracing import is_tracing, kept_in_backward
 
 __all__ = [
     "CommRecord",
@@ -179,7 +179,8 @@ def all_gather_rows(flat: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     if world == 1:
         return flat.unsqueeze(0)
     if is_tracing():
-        return funcol.all_gather_tensor(flat.contiguous(), 0, group).view(world, -1)
+        with kept_in_backward():
+            return funcol.all_gather_tensor(flat.contiguous(), 0, group).view(world, -1)
     _record("all_gather", _nbytes(flat) * (world - 1))
     return _stacked_rows(flat, group, world)
 
@@ -237,7 +238,8 @@ def all_reduce(tensor: torch.Tensor, reduce_op: str, group: ProcessGroup) -> tor
         raise ValueError(f"unknown reduce op {reduce_op!r}; expected one of {sorted(_REDUCE_OPS)}")
     reduce_op = reduce_op_for(reduce_op, tensor.dtype)
     if is_tracing() and world > 1:
-        out = funcol.all_reduce(tensor.contiguous(), "sum" if reduce_op == "avg" else reduce_op, group)
+        with kept_in_backward():
+            out = funcol.all_reduce(tensor.contiguous(), "sum" if reduce_op == "avg" else reduce_op, group)
         return out / world if reduce_op == "avg" else out
     if world == 1:
         return tensor.contiguous().clone()
@@ -293,7 +295,8 @@ def broadcast(tensor: torch.Tensor, src_group_rank: int, group: ProcessGroup) ->
     if _group_size(group) == 1:
         return tensor
     if is_tracing():
-        return funcol.broadcast(tensor, src_group_rank, group)
+        with kept_in_backward():
+            return funcol.broadcast(tensor, src_group_rank, group)
     if dist.get_rank(group) == src_group_rank:
         _record("broadcast", _nbytes(tensor) * (_group_size(group) - 1))
     dist.broadcast(tensor, group_src=src_group_rank, group=group)
@@ -374,11 +377,12 @@ def start_exchange(
 
 def _functional_all_to_all(flat: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     """``all_to_all_single`` of a 1-D tensor through functional collectives (complex as real pairs)."""
-    if not flat.dtype.is_complex:
-        return funcol.all_to_all_single(flat, out_splits, in_splits, group)
-    pairs = funcol.all_to_all_single(
-        torch.view_as_real(flat).reshape(-1), [2 * n for n in out_splits], [2 * n for n in in_splits], group
-    )
+    with kept_in_backward():
+        if not flat.dtype.is_complex:
+            return funcol.all_to_all_single(flat, out_splits, in_splits, group)
+        pairs = funcol.all_to_all_single(
+            torch.view_as_real(flat).reshape(-1), [2 * n for n in out_splits], [2 * n for n in in_splits], group
+        )
     return torch.view_as_complex(pairs.view(-1, 2))
 
 

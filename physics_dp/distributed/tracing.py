@@ -3,7 +3,8 @@
 While Dynamo, AOTAutograd or ``make_fx`` trace, tensors are fake or proxied and a c10d call
 would run (or hang) at trace time instead of becoming part of the graph; the collectives then
 go through PyTorch's functional collectives, which trace.  The checks read torch's dispatch
-state (private API), so they live here and nowhere else.
+state, and :func:`kept_in_backward` tags graph nodes for AOTAutograd's partitioner (private
+APIs both), so they live here and nowhere else.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from torch._functorch._aot_autograd.graph_capture_wrappers import set_partitioner_tag_must_be_in_backward
+from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["is_tracing", "outside_trace", "graph_constant"]
+__all__ = ["is_tracing", "kept_in_backward", "outside_trace", "graph_constant"]
 
 
 def is_tracing() -> bool:
@@ -27,6 +30,27 @@ def is_tracing() -> bool:
     if torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PythonDispatcher):
         return True
     return get_proxy_mode() is not None
+
+
+@contextlib.contextmanager
+def kept_in_backward() -> Iterator[None]:
+    """Inside AOTAutograd's trace of a backward, tag the nodes traced here to stay in the backward graph.
+
+    The partitioner moves backward work that does not depend on the tangents into the forward
+    graph.  On a rank whose output piece is empty, nothing in its backward does (inductor folds
+    every empty tensor into a constant), so that rank's backward collectives would run in its
+    forward while the other ranks run them after the loss: the ranks' collectives no longer pair
+    up and the step hangs.  Pinned to the backward, every rank issues them in the same order.
+    Elsewhere (eager, the forward, Dynamo) this does nothing.
+    """
+    traced_backward = fx_traceback.has_preserved_node_meta() and (
+        fx_traceback.current_meta.get("partitioner_tag") == "is_backward"
+    )
+    if not traced_backward:
+        yield
+        return
+    with set_partitioner_tag_must_be_in_backward():
+        yield
 
 
 @contextlib.contextmanager

@@ -102,6 +102,13 @@ BLOCKS: dict[str, Callable[[], nn.Module]] = {
     "mask_assignment_of_a_value": lambda: _Lambda(_zero_where_large),
 }
 
+INDUCTOR_BLOCKS: dict[str, Callable[[], nn.Module]] = {
+    "pools_to_fewer_rows_than_ranks": lambda: nn.Sequential(
+        nn.Conv2d(4, 4, 3, padding=1), nn.AvgPool2d(2), nn.Conv2d(4, 4, 3, padding=1), nn.AdaptiveAvgPool2d((3, 3)),
+        nn.Conv2d(4, 4, 3, padding=1), nn.MaxPool2d(2, stride=2, ceil_mode=True),
+    ),
+}
+
 
 def _placements(mesh_shape: tuple[int, ...]) -> list:
     return [Shard(2)] if len(mesh_shape) == 1 else [Shard(2), Shard(3)]
@@ -123,7 +130,7 @@ def _train_step(model: nn.Module, x: ShardTensor) -> torch.Tensor:
 def _compiled_against_eager(name: str, mesh_shape: tuple[int, ...], backend: str) -> dict:
     mesh = get_mesh(mesh_shape)
     torch.manual_seed(0)
-    eager = BLOCKS[name]()
+    eager = {**BLOCKS, **INDUCTOR_BLOCKS}[name]()
     compiled_model = copy.deepcopy(eager)
     x = torch.randn(2, 4, 12, 8)
     xe = distribute_tensor(x, mesh, _placements(mesh_shape), _sizes(mesh_shape)).requires_grad_()
@@ -144,7 +151,7 @@ def _compiled_against_eager(name: str, mesh_shape: tuple[int, ...], backend: str
     }
     for (pname, pe), pc in zip(eager.named_parameters(), compiled_model.parameters()):
         diffs[pname] = (pc.grad - pe.grad).abs().max().item()
-    return {"diffs": diffs, "graphs": graphs, "type": type(out).__name__}
+    return {"diffs": diffs, "graphs": graphs, "type": type(out).__name__, "rows": out.to_local().shape[2]}
 
 
 def _check(results: list[dict], atol: float = 1e-5) -> None:
@@ -166,6 +173,14 @@ def test_fullgraph_compile_equals_eager(name: str, mesh_shape: tuple[int, ...]) 
 def test_inductor_compiles_the_conv_block_on_two_ranks() -> None:
     """Inductor's generated C++ (CPU) runs the sharded block; fp32 reassociation allows ~1e-6."""
     _check(run_on_ranks(2, _compiled_against_eager, "conv_groupnorm_silu_conv", (2,), "inductor", timeout=300), 1e-5)
+
+
+def test_inductor_compiles_when_a_rank_holds_no_output_rows() -> None:
+    """The last pool leaves 2 rows for 3 ranks: a rank's backward depends on no tangent data there,
+    and its collectives must still pair with the other ranks' (see ``tracing.kept_in_backward``)."""
+    results = run_on_ranks(3, _compiled_against_eager, "pools_to_fewer_rows_than_ranks", (3,), "inductor", timeout=300)
+    assert sorted(result["rows"] for result in results) == [0, 1, 1]
+    _check(results, 1e-5)
 
 
 def _cache_keys() -> tuple[str, str]:
