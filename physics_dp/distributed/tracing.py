@@ -74,4 +74,4 @@ def graph_constant(planned: torch.Tensor, device: torch.device) -> torch.Tensor:
         return planned.to(device)
     with outside_trace():
         values = planned.tolist()
-    return torch.tensor(values, dtype=planned.dtype, device=device)
+    return torch.tensor(values, dtype=planned.dtype, device=device).view(planned.shape)  # (0, k) lists as []

@@ -236,12 +236,15 @@ def _split(taps: Taps, dim: int, axis: int | None, sizes: tuple[int, ...], me: i
 
 def resample(window: torch.Tensor, dim: int, taps: Taps, first: int, count: int, origin: int) -> torch.Tensor:
     """Outputs ``first .. first+count`` along ``dim`` from ``window``, whose row 0 is global row ``origin``."""
-    rows = graph_constant(taps.rows[first:first + count] - origin, window.device)  # taps are planned on the CPU
-    if taps.weights is None:
+    with outside_trace():  # taps are planned on the CPU: their slices too, even inside a trace
+        planned_rows = taps.rows[first:first + count] - origin
+        planned_weights = None if taps.weights is None else taps.weights[first:first + count]
+    rows = graph_constant(planned_rows, window.device)
+    if planned_weights is None:
         return window.index_select(dim, rows[:, 0])
     shape = [1] * window.ndim
     shape[dim] = count
-    weights = graph_constant(taps.weights[first:first + count], window.device).to(window.dtype)
+    weights = graph_constant(planned_weights, window.device).to(window.dtype)
     out = window.index_select(dim, rows[:, 0]) * weights[:, 0].view(shape)
     for tap in range(1, rows.shape[1]):
         out = out + window.index_select(dim, rows[:, tap]) * weights[:, tap].view(shape)

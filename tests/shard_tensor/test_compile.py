@@ -81,6 +81,9 @@ BLOCKS: dict[str, Callable[[], nn.Module]] = {
     "instance_norm": lambda: nn.InstanceNorm2d(4, affine=True),
     "pooling": lambda: nn.Sequential(nn.AvgPool2d(2), nn.MaxPool2d(3, stride=1, padding=1)),
     "interpolation": lambda: _Lambda(lambda x: F.interpolate(x, scale_factor=2, mode="bilinear")),
+    "interpolation_through_fewer_rows_than_ranks": lambda: _Lambda(
+        lambda x: F.interpolate(F.interpolate(x, size=(2, 4), mode="bilinear"), scale_factor=4, mode="bilinear")
+    ),
     "pad_reflect": lambda: _Lambda(lambda x: F.pad(x, (1, 1, 2, 2), mode="reflect")),
     "pixel_shuffle_and_back": lambda: _Lambda(lambda x: F.pixel_unshuffle(F.pixel_shuffle(x, 2), 2)),
     "softmax_over_h": lambda: _Lambda(lambda x: F.softmax(x, 2) + F.log_softmax(x, 2)),
