@@ -399,9 +399,11 @@ def _traced_exchange(
 
     Every rank of ``group`` takes part in the exchange patterns physics_dp uses (halos, rings),
     so each rank joining one all-to-all with empty pieces for non-peers matches the messages.
-    A rank that sends nothing still sends an empty slice of ``anchor`` (the op's input): without
-    that data dependency the partitioner may hoist a backward exchange that only receives into
-    the forward graph on that rank alone, and the ranks' collectives would no longer pair up.
+    A rank that sends nothing still sends an empty slice of ``anchor`` (the op's input): an
+    exchange that reads nothing traced could be placed in either graph, and the partitioner may
+    put it elsewhere on that rank alone (a forward exchange recomputed in the backward), so the
+    ranks' collectives would no longer pair up.  Backward collectives are also pinned by
+    :func:`.tracing.kept_in_backward`.
     """
     group = group if group is not None else dist.group.WORLD
     world = _group_size(group)
