@@ -7,16 +7,24 @@ For each op (forward, then backward from a cotangent of ones, at one global size
   barriers through shared memory: gloo's barrier adds 0.3-4 ms at random, more than many ops cost);
 - ``slab``: the plain torch op on one rank's slab widened by the halo rows its stencil reads, in
   the same rank processes, interleaved with the sharded runs (the floor: the work a rank must do);
-- ``1x1`` / ``1xN``: the plain op on the whole grid in one process with 1 and with N threads;
+- ``slab alone``, ``1x1`` / ``1xN``: the plain op on rank 0's slab, and on the whole grid with 1
+  and with N threads, each run by rank 0 while the other ranks wait in gloo's barrier (a socket
+  wait: their cores stay idle).  They take turns, right after the case's sharded runs, so that
+  every column of a row comes from the same minutes (measured in a separate process before the
+  ranks, the one-thread baseline moved one op's speedup from 1.0x to 2.4x between runs on the
+  2-core VM) and no run finds its own data still in the caches, as the sharded runs do not;
 - the ratio sharded / slab (overhead), the speedups of N ranks over one process, and the bytes and
-  collectives each rank issued per step (physics_dp's counted collectives).
+  collectives each rank issued per step (physics_dp's counted collectives);
+- ``at most``: 1x1 / slab, the speedup N ranks would reach with no overhead at all.  It falls
+  short of N where the ranks running side by side slow each other down (slab against slab alone:
+  on the 2-core VM, memory-bound ops share the memory bandwidth), which no sharding code can change.
 
     python benchmarks/ops_scaling.py [--ranks 2] [--repeats 25] [--ops conv,group_norm] [--json out.json]
 
-Every process (the single-process baselines and each rank) first keeps freed host memory, as the
-trainer does by default (``physics_dp.distributed.host_memory``): otherwise a freed 16 MiB result
-is unmapped and the next step's allocation faults its pages in again, which costs more than a
-memory-bound op itself and depends on which tensors happen to be alive, not on the op.
+Every rank first keeps freed host memory, as the trainer does by default
+(``physics_dp.distributed.host_memory``): otherwise a freed 16 MiB result is unmapped and the
+next step's allocation faults its pages in again, which costs more than a memory-bound op itself
+and depends on which tensors happen to be alive, not on the op.
 """
 
 from __future__ import annotations
@@ -127,33 +135,27 @@ def _backward(out: torch.Tensor) -> None:
     out.backward(torch.ones_like(out))
 
 
-def _median_time(step: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
-    step()
-    samples = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        step()
-        sync()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
-def _whole_grid(cases: list[Case], threads: int, repeats: int) -> dict[str, float]:
-    torch.set_num_threads(threads)
-    results = {}
-    for case in cases:
-        gen = torch.Generator().manual_seed(0)
-        x = torch.randn(case.shape, generator=gen).requires_grad_(True)
-        fn = case.build(gen, case.shape)
-        results[case.name] = _median_time(lambda: _backward(fn(x)), repeats)
-    return results
-
-
 def _slab_with_halo(x: torch.Tensor, case: Case, sizes: list[int], rank: int) -> torch.Tensor:
     start = sum(sizes[:rank])
     lo, hi = max(0, start - case.halo[0]), min(x.shape[case.dim], start + sizes[rank] + case.halo[1])
     return x.narrow(case.dim, lo, hi - lo).contiguous()
+
+
+def _alone_on_rank_0(step: Callable[[], None], threads: int, rank: int) -> float:
+    """Seconds of one ``step`` on rank 0 with ``threads`` threads while every other rank blocks in
+    gloo's barrier (its socket wait leaves the core idle); 0.0 on the other ranks."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    elapsed = 0.0
+    if rank == 0:
+        torch.set_num_threads(threads)
+        start = time.perf_counter()
+        step()
+        elapsed = time.perf_counter() - start
+        torch.set_num_threads(1)
+    dist.barrier()
+    return elapsed
 
 
 def _rank_body(names: list[str], repeats: int) -> dict[str, dict]:
@@ -183,30 +185,36 @@ def _rank_body(names: list[str], repeats: int) -> dict[str, dict]:
         def slab_step() -> None:
             _backward(F.scaled_dot_product_attention(slab, keys, keys) if case.slab_attends_to_all else fn(slab))
 
-        for _ in range(WARMUP):
-            sharded_step()
-            slab_step()
-        sharded_samples, slab_samples = [], []
-        for _ in range(repeats):  # interleaved, so background load hits both alike
-            for step, samples in ((sharded_step, sharded_samples), (slab_step, slab_samples)):
+        whole = full.clone().requires_grad_(True)
+
+        def whole_step() -> None:
+            _backward(fn(whole))
+
+        samples: dict[str, list[float]] = {"sharded_s": [], "slab_s": []}
+        for _ in range(WARMUP + repeats):  # interleaved, so background load hits both alike
+            for key, step in (("sharded_s", sharded_step), ("slab_s", slab_step)):
                 barrier()
                 start = time.perf_counter()
                 step()
                 barrier()
-                samples.append(time.perf_counter() - start)
+                samples[key].append(time.perf_counter() - start)
+        # then rank 0's runs alone, in turn too; after the sharded runs, not between them: a
+        # multi-threaded run's spinning threads and cache footprint slowed the next sharded step up to 2.6x
+        alone = (("slab_alone_s", slab_step, 1), ("single_1thread_s", whole_step, 1), ("single_nthreads_s", whole_step, world))
+        samples.update((key, []) for key, _, _ in alone)
+        for _ in range(WARMUP + repeats):
+            for key, step, threads in alone:
+                samples[key].append(_alone_on_rank_0(step, threads, rank))
         with count_communication() as log:
             sharded_step()
-        results[case.name] = {
-            "sharded_s": statistics.median(sharded_samples),
-            "slab_s": statistics.median(slab_samples),
-            "bytes_sent": log.bytes_sent,
-            "collectives": log.calls,
-        }
+        results[case.name] = {key: statistics.median(values[WARMUP:]) for key, values in samples.items()}
+        results[case.name].update(bytes_sent=log.bytes_sent, collectives=log.calls)
     return results
 
 
-def _sharded(cases: list[Case], world: int, repeats: int) -> dict[str, dict]:
-    """Each case's numbers on the slowest rank (the largest of each value over the ranks)."""
+def _measured(cases: list[Case], world: int, repeats: int) -> dict[str, dict]:
+    """Each case's numbers on the slowest rank (the largest of each value over the ranks; the
+    single-process times come from rank 0, the others report 0)."""
     per_rank = run_ranks(world, _rank_body, [c.name for c in cases], repeats)
     return {case.name: {key: max(r[case.name][key] for r in per_rank) for key in per_rank[0][case.name]} for case in cases}
 
@@ -220,20 +228,17 @@ def main() -> None:
     args = parser.parse_args()
     wanted = [w.strip() for w in args.ops.split(",") if w.strip()]
     cases = [c for c in CASES if not wanted or any(w in c.name for w in wanted)]
-    keep_freed_memory()
-    one_thread = _whole_grid(cases, 1, args.repeats)
-    n_threads = _whole_grid(cases, args.ranks, args.repeats)
-    sharded = _sharded(cases, args.ranks, args.repeats)
+    measured = _measured(cases, args.ranks, args.repeats)
     n = args.ranks
     header = (
-        f"| op (fwd+bwd), global shape | {n} ranks sharded | slab + halo | sharded/slab | target | "
-        f"1 proc x1 thr | 1 proc x{n} thr | speedup vs x1 | vs x{n} | MiB sent/rank | collectives |"
+        f"| op (fwd+bwd), global shape | {n} ranks sharded | slab + halo | sharded/slab | target | slab alone | "
+        f"1 proc x1 thr | 1 proc x{n} thr | speedup vs x1 | at most | vs x{n} | MiB sent/rank | collectives |"
     )
     print(header)
     print("|" + " --- |" * (header.count("|") - 1))
     rows = []
     for case in cases:
-        s = sharded[case.name]
+        s = measured[case.name]
         row = {
             "op": case.name,
             "shape": case.shape,
@@ -241,18 +246,21 @@ def main() -> None:
             "slab_s": s["slab_s"],
             "overhead": s["sharded_s"] / s["slab_s"],
             "target": TARGETS[case.kind],
-            "single_1thread_s": one_thread[case.name],
-            f"single_{n}threads_s": n_threads[case.name],
-            "speedup_vs_1thread": one_thread[case.name] / s["sharded_s"],
-            "speedup_vs_same_threads": n_threads[case.name] / s["sharded_s"],
+            "slab_alone_s": s["slab_alone_s"],
+            "single_1thread_s": s["single_1thread_s"],
+            f"single_{n}threads_s": s["single_nthreads_s"],
+            "speedup_vs_1thread": s["single_1thread_s"] / s["sharded_s"],
+            "speedup_vs_1thread_at_most": s["single_1thread_s"] / s["slab_s"],
+            "speedup_vs_same_threads": s["single_nthreads_s"] / s["sharded_s"],
             "bytes_sent_per_rank": s["bytes_sent"],
             "collectives_per_rank": s["collectives"],
         }
         rows.append(row)
+        ms = {key: f"{s[key] * 1e3:.1f} ms" for key in ("sharded_s", "slab_s", "slab_alone_s", "single_1thread_s", "single_nthreads_s")}
         print(
-            f"| {case.name} {case.shape} | {s['sharded_s'] * 1e3:.1f} ms | {s['slab_s'] * 1e3:.1f} ms | "
-            f"{row['overhead']:.2f}x | <= {row['target']:.2f} | {one_thread[case.name] * 1e3:.1f} ms | "
-            f"{n_threads[case.name] * 1e3:.1f} ms | {row['speedup_vs_1thread']:.2f}x | {row['speedup_vs_same_threads']:.2f}x | "
+            f"| {case.name} {case.shape} | {ms['sharded_s']} | {ms['slab_s']} | {row['overhead']:.2f}x | <= {row['target']:.2f} | "
+            f"{ms['slab_alone_s']} | {ms['single_1thread_s']} | {ms['single_nthreads_s']} | {row['speedup_vs_1thread']:.2f}x | "
+            f"{row['speedup_vs_1thread_at_most']:.2f}x | {row['speedup_vs_same_threads']:.2f}x | "
             f"{s['bytes_sent'] / 2**20:.2f} | {s['collectives']} |",
             flush=True,
         )
