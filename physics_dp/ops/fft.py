@@ -10,7 +10,8 @@ W -> H: two all-to-alls.  A complex transform of real data moves axes before its
 where it can (each axis once; real values are half the bytes): fft2 of a real H-sharded grid is
 H -> W, FFT H, W -> H, FFT W.  Dims whose extent the transform keeps get their input split back
 exactly (skewed and empty shards included); dims it resizes (``s=``, the halved last dim of
-``rfft*``, the restored one of ``irfft*``) get the balanced split.
+``rfft*``, the restored one of ``irfft*``) get the balanced split.  The Hermitian transforms
+(``hfft*``, ``ihfft*``) run as the real ones of the conjugate.
 
 Real transforms keep their order: ``rfft*`` does the real-to-complex FFT of the last dim first,
 ``irfft*`` the complex-to-real one last; a complex transform of a real slab runs aten's two-sided
@@ -277,9 +278,17 @@ def _resolve(kind: str, shape: Sequence[int], s: Any, dim: Any) -> tuple[tuple[i
     return dims, tuple(lengths)
 
 
-_ONE_D = {torch.fft.fft: "fft", torch.fft.ifft: "ifft", torch.fft.rfft: "rfft", torch.fft.irfft: "irfft"}
-_TWO_D = {torch.fft.fft2: "fft", torch.fft.ifft2: "ifft", torch.fft.rfft2: "rfft", torch.fft.irfft2: "irfft"}
-_N_D = {torch.fft.fftn: "fft", torch.fft.ifftn: "ifft", torch.fft.rfftn: "rfft", torch.fft.irfftn: "irfft"}
+# each entry point's kind: the Hermitian ones (``hfft*``, ``ihfft*``) are planned as the real transform they
+# are computed by (see :func:`_fft_handler`), which resolves ``s`` and the default length alike
+_ONE_D = {torch.fft.fft: "fft", torch.fft.ifft: "ifft", torch.fft.rfft: "rfft", torch.fft.irfft: "irfft",
+          torch.fft.hfft: "irfft", torch.fft.ihfft: "rfft"}
+_TWO_D = {torch.fft.fft2: "fft", torch.fft.ifft2: "ifft", torch.fft.rfft2: "rfft", torch.fft.irfft2: "irfft",
+          torch.fft.hfft2: "irfft", torch.fft.ihfft2: "rfft"}
+_N_D = {torch.fft.fftn: "fft", torch.fft.ifftn: "ifft", torch.fft.rfftn: "rfft", torch.fft.irfftn: "irfft",
+        torch.fft.hfftn: "irfft", torch.fft.ihfftn: "rfft"}
+_HERMITIAN = frozenset({torch.fft.hfft, torch.fft.hfft2, torch.fft.hfftn, torch.fft.ihfft, torch.fft.ihfft2, torch.fft.ihfftn})
+# a Hermitian transform's normalization is its real counterpart's, applied in the other direction
+_DUAL_NORM = {None: "forward", "backward": "forward", "forward": "backward", "ortho": "ortho"}
 
 
 def _plan_of(func: Any, args: tuple, kwargs: dict) -> FFTPlan:
@@ -299,7 +308,24 @@ def _plan_of(func: Any, args: tuple, kwargs: dict) -> FFTPlan:
 def _fft_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
     if not isinstance(args[0], ShardTensor) or kwargs.get("out") is not None:
         return run_default(func, args, kwargs)
-    return sharded_fft(args[0], _plan_of(func, args, kwargs))
+    plan = _plan_of(func, args, kwargs)
+    if func not in _HERMITIAN:
+        return sharded_fft(args[0], plan)
+    return _hermitian_fft(func.__name__, args[0], plan)
+
+
+def _hermitian_fft(name: str, tensor: ShardTensor, plan: FFTPlan) -> ShardTensor:
+    """``hfft*`` / ``ihfft*`` as the real transforms of the conjugate, with the dual normalization:
+    hfftn(x, norm) = irfftn(conj(x), norm'), ihfftn(x, norm) = conj(rfftn(x, norm')) (equal to torch's
+    own to rounding).  torch's composites would run the local transform of every slab, and MKL
+    refuses an empty one: the rank holding no rows raised while the others went on."""
+    plan = FFTPlan(plan.kind, plan.dims, plan.lengths, _DUAL_NORM[plan.norm])
+    if plan.kind == "irfft":
+        return sharded_fft(tensor.conj(), plan)
+    if tensor.is_complex():
+        raise RuntimeError(f"torch.fft.{name} expects a real input tensor, but got {tensor.dtype}")
+    # materialized: torch's ihfft2 / ihfftn return no conjugate view, and ``view_as_real`` refuses one
+    return torch.conj_physical(sharded_fft(tensor, plan))
 
 
 for _func in (*_ONE_D, *_TWO_D, *_N_D):

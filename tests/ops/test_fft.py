@@ -1,5 +1,8 @@
 """torch.fft transforms over sharded dims (pencil decomposition) equal one device, forward and backward.
 
+Complex, real and Hermitian transforms (``hfft*`` / ``ihfft*``: before, torch's composites ran on
+each slab, and the rank of an empty shard raised in MKL while the others went on).
+
 Every transform runs on 1-4 ranks sharding H and on a 2x2 mesh sharding H and W, with even,
 uneven and skewed (empty shard) splits; complex outputs are compared through ``view_as_real``.
 Traffic: fft2 of an H-sharded grid on a 1-D mesh is two all-to-alls forward and two backward,
@@ -62,7 +65,16 @@ REAL_FAMILY: dict[str, Callable] = {
     "irfft(n=9, dim=2)": lambda x: torch.fft.irfft(_complex(x), n=9, dim=2),
     "irfft(dim=-1)": lambda x: torch.fft.irfft(_complex(x), dim=-1),
 }
-FAMILIES = {"forward": FORWARD_FAMILY, "inverse": INVERSE_FAMILY, "real": REAL_FAMILY}
+HERMITIAN_FAMILY: dict[str, Callable] = {
+    "hfft(dim=-1)": lambda x: torch.fft.hfft(_complex(x), dim=-1),
+    "hfft(n=9, dim=2, norm=ortho)": lambda x: torch.fft.hfft(_complex(x), n=9, dim=2, norm="ortho"),
+    "ihfft(dim=2)": lambda x: real(torch.fft.ihfft(x, dim=2).resolve_conj()),  # torch's 1-D one is a conjugate view
+    "hfft2": lambda x: torch.fft.hfft2(_complex(x)),
+    "ihfft2(norm=forward)": lambda x: real(torch.fft.ihfft2(x, norm="forward")),
+    "hfftn(s=(6, 7), dim=(3, 2))": lambda x: torch.fft.hfftn(_complex(x), s=(6, 7), dim=(3, 2)),
+    "ihfftn(dim=(1, 2, 3))": lambda x: real(torch.fft.ihfftn(x, dim=(1, 2, 3))),
+}
+FAMILIES = {"forward": FORWARD_FAMILY, "inverse": INVERSE_FAMILY, "real": REAL_FAMILY, "hermitian": HERMITIAN_FAMILY}
 
 
 def _check(layout: str, family: str) -> list[str]:
