@@ -119,8 +119,9 @@ def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
     kernel for half precision where torch's own checks admit it (GPU generation, head size,
     strides), else the memory-efficient kernel for fp32.  None materializes the score matrix.
     Under ``sdpa_kernel(SDPBackend.MATH)`` (e.g. for a double backward, which the fused CPU kernel
-    lacks) the explicit path runs, as torch's own op would."""
-    if not (q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[-2] > 0 and k.shape[-2] > 0):
+    lacks) the explicit path runs, as torch's own op would.  So does an empty block (a rank with no
+    heads or no rows of a 2-D split): the CPU kernel stops the process on a division by zero."""
+    if not (q.shape[-1] == k.shape[-1] == v.shape[-1] and q.numel() > 0 and k.numel() > 0):
         return None
     if not q.ndim == k.ndim == v.ndim == 4:  # the kernels take (batch, heads, tokens, head dim) only
         return None

@@ -206,7 +206,7 @@ def propagate_and_run(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> A
             f"in-place {op} would need its destination redistributed ({_describe(inputs[:1])} -> "
             f"{list(specs[0].placements)}); use the out-of-place op"
         )
-    locals_ = [redistribute_local(t._local_tensor, t._spec, s) for t, s in zip(inputs, specs)]
+    locals_ = [in_memory_order_of(redistribute_local(t._local_tensor, t._spec, s), t._spec) for t, s in zip(inputs, specs)]
 
     call = op
     local_iter = iter(locals_)
@@ -230,6 +230,35 @@ def propagate_and_run(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> A
                 canonical.setdefault((axis, spec.shape[spec.shard_dim(axis)]), sizes)
     slab_shapes = SlabShapes(op, flat_args, args_tree, specs, kwargs, usable=bool(specs) and not use_suggested_values)
     return _wrap_outputs(result, sharding.output_spec, canonical, op, inputs, slab_shapes)
+
+
+def in_memory_order_of(local: torch.Tensor, spec: ShardTensorSpec) -> torch.Tensor:
+    """``local`` laid out in memory in the order of ``spec``'s global strides (a copy only where it is not).
+
+    Some kernels choose their algorithm by the input's layout, and their backward formula asks
+    the input again: ``linalg.det`` of a row-major matrix factors its transpose, and its gradient
+    then solves with the factors' adjoint only when the input is not row-major.  Run on a slab
+    gathered row-major while the wrapper is a transposed view, the gradient took the wrong
+    branch, silently.  So the slab a fallback op runs on keeps its wrapper's order.
+    """
+    if spec.is_contiguous() or not local.numel():
+        return local
+    order = _dense_order(spec.shape, spec.stride)
+    if order is None or local.permute(order).is_contiguous():
+        return local  # (overlapping or strided layouts: no memory order to keep)
+    return local.permute(order).contiguous().permute(sorted(range(len(order)), key=order.__getitem__))
+
+
+def _dense_order(shape: torch.Size, stride: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The dims from outermost to innermost where ``stride`` is a permutation of a dense row-major
+    layout of ``shape`` (a transpose, a permute), else None."""
+    order = tuple(sorted(range(len(shape)), key=lambda d: -stride[d]))
+    expected = 1
+    for dim in reversed(order):
+        if shape[dim] != 1 and stride[dim] != expected:
+            return None
+        expected *= shape[dim]
+    return order
 
 
 def _dtensor_spec(tensor: ShardTensor) -> Any:

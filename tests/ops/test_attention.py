@@ -94,6 +94,23 @@ def test_attention_matches_single_device(mesh_shape, skewed):
     run_on_ranks(math.prod(mesh_shape), _run, mesh_shape, skewed)
 
 
+def _empty_blocks_on_a_2d_mesh():
+    mesh = get_mesh((2, 2))
+    q, k, v = _qkv(heads=4, length=10, source=10)
+    for sizes in ({0: [4, 0]}, {1: [10, 0]}, {0: [0, 4], 1: [3, 7]}):  # no heads, no rows, both
+        assert_sharded_matches(
+            lambda q, k, v: F.scaled_dot_product_attention(q, k, v), [q, k, v], mesh, [[Shard(1), Shard(2)]] * 3,
+            sharding_sizes=[sizes] * 3, atol=1e-5, rtol=1e-4,
+        )
+    return True
+
+
+def test_heads_and_tokens_split_with_an_empty_block():
+    """Heads over one mesh axis and tokens over the other, a rank holding no heads or no rows: its
+    blocks take the explicit path (torch's fused CPU kernel stopped the process, SIGFPE)."""
+    run_on_ranks(4, _empty_blocks_on_a_2d_mesh)
+
+
 def _heads_from_channels_first(grid: torch.Tensor) -> torch.Tensor:
     """Tokens of a (N, C, H, W) grid split into 2 heads: the head dim is strided (stride H*W)."""
     return grid.flatten(2).transpose(1, 2).unflatten(2, (2, -1)).transpose(1, 2)

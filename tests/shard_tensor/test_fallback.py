@@ -46,6 +46,11 @@ CASES = {
     "einsum_channels": (lambda x, w: torch.einsum("nchw,dc->ndhw", x, w), [(2, 3, 7, 5), (4, 3)], lambda m: [_shard_h(m), None]),
     "where_mask": (lambda x: torch.where(x > 0, x, x * 0.1), [(2, 3, 7, 5)], lambda m: [_shard_h(m)]),
     "pixel_shuffle_resizes_sharded_dims": (lambda x: F.pixel_shuffle(x, 2), [(1, 8, 7, 5)], lambda m: [_shard_h(m)]),
+    # kernels that pick their algorithm by layout: the gradient was silently wrong on a gathered slab
+    "det_of_a_transposed_view": (lambda x: torch.linalg.det(x.mT), [(2, 3, 5, 5)], lambda m: [_shard_h(m)]),
+    "slogdet_of_a_permuted_view": (
+        lambda x: torch.linalg.slogdet(x.permute(1, 0, 3, 2) * 2).logabsdet, [(2, 3, 5, 5)], lambda m: [_shard_h(m)]
+    ),
 }
 
 SIZES = {"balanced": None, "skewed": "skewed"}
