@@ -206,7 +206,9 @@ def propagate_and_run(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> A
             f"in-place {op} would need its destination redistributed ({_describe(inputs[:1])} -> "
             f"{list(specs[0].placements)}); use the out-of-place op"
         )
-    locals_ = [in_memory_order_of(redistribute_local(t._local_tensor, t._spec, s), t._spec) for t, s in zip(inputs, specs)]
+    locals_ = [
+        _in_memory_order_of(redistribute_local(t._local_tensor, t._spec, s), t._spec) for t, s in zip(inputs, specs)
+    ]
 
     call = op
     local_iter = iter(locals_)
@@ -232,7 +234,7 @@ def propagate_and_run(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> A
     return _wrap_outputs(result, sharding.output_spec, canonical, op, inputs, slab_shapes)
 
 
-def in_memory_order_of(local: torch.Tensor, spec: ShardTensorSpec) -> torch.Tensor:
+def _in_memory_order_of(local: torch.Tensor, spec: ShardTensorSpec) -> torch.Tensor:
     """``local`` laid out in memory in the order of ``spec``'s global strides (a copy only where it is not).
 
     Some kernels choose their algorithm by the input's layout, and their backward formula asks
