@@ -123,6 +123,26 @@ def _whole_dims_send_nothing() -> None:
     assert z.placements == x.placements and z._spec.axis_sizes == x._spec.axis_sizes
 
 
+def _hermitian_transforms_send_what_the_real_ones_send() -> None:
+    """hfft2 / ihfft2 of an H-sharded grid: the all-to-alls and bytes of irfft2 / rfft2, nothing
+    gathered; along an unsharded dim (an empty shard included) nothing is sent."""
+    mesh = get_mesh((4,))
+    split = {0: (3, 0, 2, 3)}
+    z = distribute_tensor(_complex(randn((2, 3, 8, 5))), mesh, [Shard(2)], split)
+    x = distribute_tensor(randn((2, 3, 8, 5)), mesh, [Shard(2)], split)
+    for hermitian, real_one, t in ((torch.fft.hfft2, torch.fft.irfft2, z), (torch.fft.ihfft2, torch.fft.rfft2, x)):
+        with count_communication() as expected:
+            real_one(t)
+        with count_communication() as log:
+            hermitian(t)
+        assert log.kinds() == expected.kinds() == ["all_to_all", "all_to_all"], (log.kinds(), expected.kinds())
+        assert log.bytes_sent == expected.bytes_sent, (log.bytes_sent, expected.bytes_sent)
+    with count_communication() as log:
+        torch.fft.hfft(z, dim=-1)
+        torch.fft.ihfft(x, dim=3)
+    assert log.calls == 0, log.kinds()
+
+
 def _two_d_grid_replicates_one_axis() -> None:
     mesh = get_mesh((2, 2))
     x = distribute_tensor(randn((7, 6)), mesh, [Shard(0), Shard(1)])
@@ -167,7 +187,10 @@ def test_fft2_uses_two_all_to_alls(world: int) -> None:
 
 @pytest.mark.parametrize(
     "check",
-    [_rfft2_resplits_the_halved_dim, _whole_dims_send_nothing, _two_d_grid_replicates_one_axis],
+    [
+        _rfft2_resplits_the_halved_dim, _whole_dims_send_nothing, _two_d_grid_replicates_one_axis,
+        _hermitian_transforms_send_what_the_real_ones_send,
+    ],
     ids=lambda f: f.__name__,
 )
 def test_fft_layouts(check) -> None:
