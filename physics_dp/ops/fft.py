@@ -24,7 +24,7 @@ redistributes are differentiable, so autograd gives the backward, itself a penci
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -319,7 +319,7 @@ def _hermitian_fft(name: str, tensor: ShardTensor, plan: FFTPlan) -> ShardTensor
     hfftn(x, norm) = irfftn(conj(x), norm'), ihfftn(x, norm) = conj(rfftn(x, norm')) (equal to torch's
     own to rounding).  torch's composites would run the local transform of every slab, and MKL
     refuses an empty one: the rank holding no rows raised while the others went on."""
-    plan = FFTPlan(plan.kind, plan.dims, plan.lengths, _DUAL_NORM[plan.norm])
+    plan = replace(plan, norm=_DUAL_NORM[plan.norm])
     if plan.kind == "irfft":
         return sharded_fft(tensor.conj(), plan)
     if tensor.is_complex():

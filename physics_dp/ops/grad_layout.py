@@ -24,6 +24,7 @@ from ..shard_tensor import Shard, ShardTensor, ShardTensorSpec
 from ..shard_tensor.conversions import keep_grad_layout
 from ..shard_tensor.dispatch import run_default
 from ..shard_tensor.fallback import propagate_and_run
+from ..shard_tensor.spec import memory_order
 from .reductions import accumulate_dtype
 
 _REDUCTION_NAMES = "sum mean nansum var std var_mean std_mean amax amin max min logsumexp norm prod".split()
@@ -70,7 +71,7 @@ for _func in (torch.mean, torch.Tensor.mean):
 
 def _empty_like_layout(local_shape: torch.Size, stride: tuple[int, ...], like: torch.Tensor, kwargs: dict) -> torch.Tensor:
     """An empty slab whose dims lie in memory in the order of the global ``stride``."""
-    order = sorted(range(len(stride)), key=lambda d: -stride[d])
+    order = memory_order(stride)
     factory = {k: v for k, v in kwargs.items() if k in ("dtype", "device", "pin_memory") and v is not None}
     empty = like.new_empty([local_shape[d] for d in order], **factory)
     return empty.permute([order.index(d) for d in range(len(order))])

@@ -24,7 +24,7 @@ from .placements import Partial, Replicate, Shard
 from .redistribute import redistribute_local, without_partials
 from .shard_tensor import ShardTensor
 from .slab_shapes import SlabShapes
-from .spec import ShardTensorSpec, balanced_sizes, chunk_sizes
+from .spec import ShardTensorSpec, balanced_sizes, chunk_sizes, in_memory_order, memory_order
 
 __all__ = ["propagate_and_run", "ShardingRuleError"]
 
@@ -246,15 +246,13 @@ def _in_memory_order_of(local: torch.Tensor, spec: ShardTensorSpec) -> torch.Ten
     if spec.is_contiguous() or not local.numel():
         return local
     order = _dense_order(spec.shape, spec.stride)
-    if order is None or local.permute(order).is_contiguous():
-        return local  # (overlapping or strided layouts: no memory order to keep)
-    return local.permute(order).contiguous().permute(sorted(range(len(order)), key=order.__getitem__))
+    return local if order is None else in_memory_order(local, order)  # (overlapping layouts: no order to keep)
 
 
-def _dense_order(shape: torch.Size, stride: tuple[int, ...]) -> tuple[int, ...] | None:
+def _dense_order(shape: torch.Size, stride: tuple[int, ...]) -> list[int] | None:
     """The dims from outermost to innermost where ``stride`` is a permutation of a dense row-major
     layout of ``shape`` (a transpose, a permute), else None."""
-    order = tuple(sorted(range(len(shape)), key=lambda d: -stride[d]))
+    order = memory_order(stride)
     expected = 1
     for dim in reversed(order):
         if shape[dim] != 1 and stride[dim] != expected:

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import dispatch
 from .placements import Placement
-from .spec import ShardTensorSpec
+from .spec import ShardTensorSpec, in_memory_order, memory_order
 
 __all__ = ["ShardTensor"]
 
@@ -88,10 +88,7 @@ class ShardTensor(torch.Tensor):
             from .conversions import redistribute_to_spec
 
             return redistribute_to_spec(self, expected.replace()).__coerce_same_metadata_as_tangent__(expected)
-        order = sorted(range(self.ndim), key=lambda d: -expected.stride[d])  # outermost dim first
-        inverse = sorted(range(self.ndim), key=order.__getitem__)
-        local = self._local_tensor.permute(order).contiguous().permute(inverse)
-        return ShardTensor(local, expected)
+        return ShardTensor(in_memory_order(self._local_tensor, memory_order(expected.stride)), expected)
 
     def __reduce_ex__(self, protocol: int):  # type: ignore[override]
         raise TypeError(

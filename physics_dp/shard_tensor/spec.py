@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .placements import Placement, Replicate, Shard, StridedShard, normalize_placements
 
-__all__ = ["ShardTensorSpec", "balanced_sizes", "chunk_sizes", "contiguous_strides"]
+__all__ = ["ShardTensorSpec", "balanced_sizes", "chunk_sizes", "contiguous_strides", "memory_order", "in_memory_order"]
 
 
 def balanced_sizes(extent: int, parts: int) -> tuple[int, ...]:
@@ -29,6 +29,17 @@ def chunk_sizes(extent: int, parts: int) -> tuple[int, ...]:
     """The ``torch.chunk`` split DTensor assumes (trailing ranks may be empty)."""
     step = -(-extent // parts) if extent else 0
     return tuple(max(0, min(step, extent - i * step)) for i in range(parts))
+
+
+def memory_order(stride: Sequence[int]) -> list[int]:
+    """The dims of a layout with ``stride`` from outermost to innermost in memory."""
+    return sorted(range(len(stride)), key=lambda d: -stride[d])
+
+
+def in_memory_order(local: torch.Tensor, order: Sequence[int]) -> torch.Tensor:
+    """``local`` with its dims laid out in memory from outermost to innermost as ``order``: a slab
+    that keeps its global tensor's memory order (a copy only where it is not already so)."""
+    return local.permute(order).contiguous().permute(sorted(range(len(order)), key=order.__getitem__))
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
