@@ -307,11 +307,13 @@ def _floor_body(args: argparse.Namespace, world: int, rank: int, group: Any) -> 
     """The plain model on this process's 1/world of the grid, all processes at once, no communication.
 
     What ``world`` processes on this machine can do at best: the same work as a sharded step
-    (minus halos), run concurrently, so shared cores, memory bandwidth and caches are in it.
+    (minus halos), run concurrently, so shared cores, memory bandwidth and caches are in it.  The
+    model is the whole grid's (its configuration places attention by the grid's height), as each
+    rank of the sharded step runs it.
     """
     rows = args.grid[0] // world
     grid = (rows, args.grid[1])
-    model = build_model(grid, args.state_channels, args.cond_channels, args.model, args.seed)
+    model = build_model(args.grid, args.state_channels, args.cond_channels, args.model, args.seed)
     inputs = global_batch(args.batch, args.state_channels, args.cond_channels, grid, args.seed + rank)
     result = measure_step(model, list(model.parameters()), inputs, torch.device("cpu"), warmup=args.warmup,
                           steps=args.steps, before_each=lambda: barrier(group))

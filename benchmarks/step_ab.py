@@ -8,6 +8,19 @@ the other ranks block in a gloo barrier (off the CPU), then every rank runs one 
 burst of background load then hits both sides alike, and the median of the per-round ratios is
 the speedup that load leaves least room to bend.
 
+Each round ends with the step's floor: every rank at once runs the plain model (same weights,
+same configuration) on its own slab of the batch, as a plain tensor.  That is the work a rank
+would do with no overhead at all, beside the other ranks, as ``ops_scaling.py``'s "slab" is for
+one op.  So the speedup splits into two readable factors, ``speedup = at most / overhead``:
+
+- ``overhead`` = sharded / slab: what the framework costs (halos, statistics, waits, dispatch);
+- ``at most`` = plain / slab: the speedup with no overhead, which the machine sets (how much
+  slower a slab runs beside the other ranks than alone).
+
+The floor undercounts one thing: a slab's attention attends to its own tokens only, a quarter of
+the whole grid's work on 2 ranks, while the sharded step attends each rank's queries to every key
+(half of it), as the whole grid must.
+
 On GPUs each rank uses its device and the plain step runs on rank 0's (the times are then
 synchronized with the device).  One step, as in ``model_memory.py``:
 ``zero_grad(set_to_none=True)``, forward, ``((out - target)**2).mean()``, backward, AdamW step;
@@ -47,8 +60,18 @@ def _recording_losses(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -
     return lambda: losses.append(train()[1]), losses
 
 
+def _time_into(times: list[float], step: Callable[[], None], device: torch.device, timed: bool) -> None:
+    """Run ``step`` (synchronized with ``device``) and append its seconds to ``times`` if ``timed``."""
+    start = time.perf_counter()
+    step()
+    _sync(device)
+    if timed:
+        times.append(time.perf_counter() - start)
+
+
 def alternate_steps(mesh: Any, grid: Sequence[int], rounds: int, warmup: int) -> dict[str, Any]:
-    """Alternate a plain step (rank 0 only) and a sharded step (every rank), ``warmup + rounds`` times.
+    """Alternate a plain step (rank 0 only), a sharded step and a slab step (every rank at once),
+    ``warmup + rounds`` times.
 
     ``mesh`` is a ("data", "domain") mesh with a data axis of size 1.  Returns this rank's timed
     seconds per round (``plain`` is empty except on rank 0) and the first step's losses.
@@ -60,30 +83,27 @@ def alternate_steps(mesh: Any, grid: Sequence[int], rounds: int, warmup: int) ->
     domain = domain_mesh(mesh)
     device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
     batch = {k: v.to(device) for k, v in global_batch(1, 3, 5, tuple(grid), 0).items()}
-    sharded_step, sharded_losses = _recording_losses(
-        parallelize(build_model(tuple(grid), 3, 5).to(device), mesh, "none"),
-        {k: distribute_tensor(v, domain, [Shard(2)]) for k, v in batch.items()},
-    )
+    sharded_batch = {k: distribute_tensor(v, domain, [Shard(2)]) for k, v in batch.items()}
+    sharded_step, sharded_losses = _recording_losses(parallelize(build_model(tuple(grid), 3, 5).to(device), mesh, "none"), sharded_batch)
     lead = dist.get_rank() == 0
     plain_step, plain_losses = _recording_losses(build_model(tuple(grid), 3, 5).to(device), batch) if lead else (None, [])
-    plain, sharded = [], []
+    # the whole grid's model (its configuration places attention by the grid's height) on this rank's rows
+    slab_step, _ = _recording_losses(
+        build_model(tuple(grid), 3, 5).to(device), {k: v.to_local().detach().clone() for k, v in sharded_batch.items()}
+    )
+    plain, sharded, slab = [], [], []
     for index in range(warmup + rounds):
+        timed = index >= warmup
         dist.barrier()  # gloo: the ranks not running the plain step wait off the CPU
         if plain_step is not None:
-            start = time.perf_counter()
-            plain_step()
-            _sync(device)
-            if index >= warmup:
-                plain.append(time.perf_counter() - start)
+            _time_into(plain, plain_step, device, timed)
         dist.barrier()
         barrier(domain.get_group(0))
-        start = time.perf_counter()
-        sharded_step()
-        _sync(device)
-        if index >= warmup:
-            sharded.append(time.perf_counter() - start)
+        _time_into(sharded, sharded_step, device, timed)
+        barrier(domain.get_group(0))
+        _time_into(slab, slab_step, device, timed)
     first = sharded_losses[0]
-    return {"plain": plain, "sharded": sharded, "plain_loss": float(plain_losses[0]) if plain_losses else None,
+    return {"plain": plain, "sharded": sharded, "slab": slab, "plain_loss": float(plain_losses[0]) if plain_losses else None,
             "sharded_loss": float(first.full_tensor() if hasattr(first, "full_tensor") else first)}
 
 
@@ -98,14 +118,18 @@ def _rank_body(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def summarize(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Per round: the plain time and the slowest rank's sharded time; their medians and ratios."""
+    """Per round: the plain time, the slowest rank's sharded and slab times, and their ratios; the medians."""
     plain = per_rank[0]["plain"]
     sharded = [max(times) for times in zip(*(r["sharded"] for r in per_rank))]
+    slab = [max(times) for times in zip(*(r["slab"] for r in per_rank))]
     ratios = [p / s for p, s in zip(plain, sharded)]
+    overheads = [s / f for s, f in zip(sharded, slab)]
+    at_most = [p / f for p, f in zip(plain, slab)]
     return {
-        "plain_s": plain, "sharded_s": sharded, "ratios": ratios,
+        "plain_s": plain, "sharded_s": sharded, "slab_s": slab, "ratios": ratios, "overheads": overheads, "at_most": at_most,
         "median_plain_s": statistics.median(plain), "median_sharded_s": statistics.median(sharded),
-        "median_ratio": statistics.median(ratios),
+        "median_slab_s": statistics.median(slab), "median_ratio": statistics.median(ratios),
+        "median_overhead": statistics.median(overheads), "median_at_most": statistics.median(at_most),
         "plain_loss": per_rank[0]["plain_loss"], "sharded_loss": per_rank[0]["sharded_loss"],
     }
 
@@ -113,19 +137,23 @@ def summarize(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def format_report(summary: dict[str, Any], args: argparse.Namespace) -> str:
     """One row per round, then the medians and the first losses (markdown, for docs/benchmarks.md)."""
     rows = "\n".join(
-        f"| {i + 1} | {p * 1e3:.0f} | {s * 1e3:.0f} | {r:.2f}x |"
-        for i, (p, s, r) in enumerate(zip(summary["plain_s"], summary["sharded_s"], summary["ratios"]))
+        f"| {i + 1} | {p * 1e3:.0f} | {s * 1e3:.0f} | {f * 1e3:.0f} | {r:.2f}x | {o:.2f} | {m:.2f}x |"
+        for i, (p, s, f, r, o, m) in enumerate(zip(
+            summary["plain_s"], summary["sharded_s"], summary["slab_s"], summary["ratios"], summary["overheads"], summary["at_most"]
+        ))
     )
     return "\n".join([
         f"StormCast lite training step, grid {args.grid[0]}x{args.grid[1]}: plain x1 thread against {args.ranks} domain "
         f"ranks x1 thread, alternating, {args.rounds} rounds after {args.warmup} warm-up",
         "",
-        "| round | plain x1 ms | sharded ms (slowest rank) | speedup |",
-        "| --- | --- | --- | --- |",
+        "| round | plain x1 ms | sharded ms (slowest rank) | slab ms (slowest rank) | speedup | overhead (sharded / slab) "
+        "| at most (plain / slab) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
         rows,
         "",
-        f"median: plain {summary['median_plain_s'] * 1e3:.0f} ms, sharded {summary['median_sharded_s'] * 1e3:.0f} ms; "
-        f"median of the per-round speedups {summary['median_ratio']:.2f}x",
+        f"median: plain {summary['median_plain_s'] * 1e3:.0f} ms, sharded {summary['median_sharded_s'] * 1e3:.0f} ms, "
+        f"slab {summary['median_slab_s'] * 1e3:.0f} ms; medians of the per-round ratios: speedup "
+        f"{summary['median_ratio']:.2f}x, overhead {summary['median_overhead']:.2f}, at most {summary['median_at_most']:.2f}x",
         f"first-step loss: plain {summary['plain_loss']:.6f}, sharded {summary['sharded_loss']:.6f}",
     ])
 

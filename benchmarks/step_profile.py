@@ -6,7 +6,12 @@ time over the profiled steps, as a markdown table with each op's share of the to
 collectives the step issued.  Every rank keeps freed host memory, as the trainer does by default.
 Run it on two commits to compare before and after a change.
 
-    python benchmarks/step_profile.py [--ranks 2] [--grid 128 192] [--steps 2] [--rows 15] [--rank 0]
+    python benchmarks/step_profile.py [--ranks 2] [--grid 128 192] [--steps 2] [--rows 15] [--rank 0] [--slab]
+
+``--slab`` profiles the step's floor under the same conditions: every rank at once runs the plain
+model on its own slab (the rows it holds when sharded) as a plain tensor, so each rank's time
+includes what the other ranks running beside it cost it (shared caches and memory bandwidth),
+and the difference from the sharded profile is the framework's.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ def _rank_body(args: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(0)
     state, condition, target = (torch.randn(1, c, height, width, generator=gen) for c in (3, 5, 3))
     state, condition, target = (distribute_tensor(t, mesh, [Shard(2)]) for t in (state, condition, target))
+    if args.slab:  # the floor: the same model on this rank's slab as a plain tensor, beside the other ranks
+        state, condition, target = (t.to_local().detach().clone() for t in (state, condition, target))
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
@@ -55,8 +62,9 @@ def _rank_body(args: argparse.Namespace) -> None:
     if rank == args.rank:
         averages = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
         total = sum(e.self_cpu_time_total for e in averages)
-        print(f"{world} ranks, grid {height}x{width}, {args.steps} steps: {total / 1e3 / args.steps:.0f} ms self CPU per step "
-              f"on rank {rank}; {log.calls} collectives per step\n")
+        what = "each on its own slab, plain" if args.slab else "sharded"
+        print(f"{world} ranks ({what}), grid {height}x{width}, {args.steps} steps: {total / 1e3 / args.steps:.0f} ms self CPU "
+              f"per step on rank {rank}; {log.calls} collectives per step\n")
         print("| op | self CPU ms / step | share | calls / step |\n| --- | --- | --- | --- |")
         for event in averages[: args.rows]:
             print(f"| {event.key} | {event.self_cpu_time_total / 1e3 / args.steps:.1f} | "
@@ -71,6 +79,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--rows", type=int, default=15)
     parser.add_argument("--rank", type=int, default=0, help="the rank whose profile is printed (ranks wait for each other)")
+    parser.add_argument(
+        "--slab", action="store_true",
+        help="profile the floor instead: every rank runs the plain model on its own slab at once (no sharding)",
+    )
     args = parser.parse_args()
     run_ranks(args.ranks, _rank_body, args)
 
