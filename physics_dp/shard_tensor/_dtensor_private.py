@@ -17,8 +17,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding, RuntimeSchemaInfo
+from torch.distributed.tensor._ops._math_ops import _NormPartial
+from torch.distributed.tensor.placement_types import Placement, _MaskPartial
 
-__all__ = ["DTensorSpec", "OutputSharding", "TESTED_TORCH", "make_spec", "propagate"]
+__all__ = ["DTensorSpec", "OutputSharding", "TESTED_TORCH", "make_spec", "mask_partial", "norm_partial", "propagate"]
 
 TESTED_TORCH = ("2.13",)
 
@@ -66,3 +68,18 @@ def propagate(op: torch._ops.OpOverload, args_schema: tuple, kwargs_schema: dict
     propagator = DTensor._op_dispatcher.sharding_propagator
     schema = OpSchema(op, args_schema, kwargs_schema, schema_info=_schema_info_hashing_every_argument(op, kwargs_schema))
     return propagator.propagate_op_sharding(schema)
+
+
+def mask_partial(placement: Placement) -> tuple[int, torch.Size] | None:
+    """``(offset_dim, offset_shape)`` of a ``_MaskPartial`` (else None): DTensor's placement for an
+    index into a tensor of ``offset_shape`` sharded on ``offset_dim`` (gather, embedding), each rank
+    looking up only the rows it holds and summing the looked-up values over the mesh axis."""
+    if not isinstance(placement, _MaskPartial) or placement.reduce_op != "sum" or placement.offset_shape is None:
+        return None
+    return placement.offset_dim, torch.Size(placement.offset_shape)
+
+
+def norm_partial(placement: Placement) -> float | None:
+    """``p`` of a ``_NormPartial`` (else None): each rank holds the p-norm of its part, and the
+    value is the p-norm of those norms (DTensor uses it for p not in {0, inf, -inf})."""
+    return float(placement.norm_type) if isinstance(placement, _NormPartial) else None

@@ -117,10 +117,17 @@ def _target_specs(inputs: list[ShardTensor], targets: list, chunk_layout: bool) 
 
 
 def _output_spec(
-    local: torch.Tensor, dspec: Any, canonical: dict, op, inputs, slab_shapes: SlabShapes, path: tuple[int, ...]
+    local: torch.Tensor,
+    dspec: Any,
+    placements: tuple,
+    canonical: dict,
+    op,
+    inputs,
+    slab_shapes: SlabShapes,
+    path: tuple[int, ...],
 ) -> ShardTensorSpec:
+    """Our spec for the output DTensor describes as ``dspec``, with its ``placements`` in our terms."""
     mesh = dspec.mesh
-    placements = tuple(dspec.placements)
     if any(type(p) not in (Shard, Replicate, Partial) for p in placements):
         raise ShardingRuleError(
             f"{op}: DTensor's rule yields placements {placements} on inputs {_describe(inputs)}, which "
@@ -200,6 +207,7 @@ def propagate_and_run(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> A
     else:
         suggested = None
         targets = [t._spec.placements for t in inputs]
+    targets, masked = _replicate_masked_indices(targets, op, inputs)
     specs = _target_specs(inputs, targets, chunk_layout=use_suggested_values)
     if _is_inplace(op) and inputs and specs[0] != inputs[0]._spec:
         raise ShardingRuleError(
@@ -209,6 +217,7 @@ def propagate_and_run(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> A
     locals_ = [
         _in_memory_order_of(redistribute_local(t._local_tensor, t._spec, s), t._spec) for t, s in zip(inputs, specs)
     ]
+    masks = _mask_indices(locals_, masked, inputs, targets, specs, op)
 
     call = op
     local_iter = iter(locals_)
@@ -231,7 +240,100 @@ def propagate_and_run(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> A
             if sizes is not None:
                 canonical.setdefault((axis, spec.shape[spec.shard_dim(axis)]), sizes)
     slab_shapes = SlabShapes(op, flat_args, args_tree, specs, kwargs, usable=bool(specs) and not use_suggested_values)
-    return _wrap_outputs(result, sharding.output_spec, canonical, op, inputs, slab_shapes)
+    return _wrap_outputs(result, sharding.output_spec, canonical, op, inputs, slab_shapes, masks)
+
+
+def _replicate_masked_indices(
+    targets: list[tuple], op: torch._ops.OpOverload, inputs: list[ShardTensor]
+) -> tuple[list[tuple], dict[int, tuple[int, int, torch.Size]]]:
+    """DTensor's targets with each ``_MaskPartial`` index replicated instead, and the masked
+    inputs by mesh axis as ``(input, offset_dim, offset_shape)``: ``_mask_indices`` then masks the
+    replicated index with our split, which DTensor's mask (on ``torch.chunk``'s) would get wrong."""
+    plain, masked = [], {}
+    for i, target in enumerate(targets):
+        row = []
+        for axis, placement in enumerate(target):
+            found = private.mask_partial(placement)
+            if found is not None:
+                if axis in masked:
+                    raise ShardingRuleError(
+                        f"{op}: DTensor's rule masks two indices on mesh axis {axis} (inputs {_describe(inputs)}); "
+                        "redistribute the indices to Replicate before this op"
+                    )
+                masked[axis] = (i, *found)
+            row.append(Replicate() if found is not None else placement)
+        plain.append(tuple(row))
+    return plain, masked
+
+
+def _mask_indices(
+    locals_: list[torch.Tensor],
+    masked: dict[int, tuple[int, int, torch.Size]],
+    inputs: list[ShardTensor],
+    targets: list[tuple],
+    specs: list[ShardTensorSpec],
+    op: torch._ops.OpOverload,
+) -> dict[int, torch.Tensor]:
+    """A masked lookup (``_MaskPartial``): each rank looks up only the rows it holds of the tensor
+    the replicated index points into.  The index is shifted by the slab's offset (from our spec, so
+    uneven splits hold) and its entries outside the slab point at row 0; the returned masks, by mesh
+    axis, say which outputs to zero before they sum over the axis.  ``locals_`` is updated in place."""
+    masks = {}
+    for axis, (i, dim, shape) in masked.items():
+        owner = next(
+            (j for j, (t, target) in enumerate(zip(inputs, targets)) if target[axis] == Shard(dim) and t.shape == shape),
+            None,
+        )
+        if owner is None:
+            raise ShardingRuleError(
+                f"{op}: DTensor's rule masks an index on mesh axis {axis} into no input of shape {tuple(shape)} "
+                f"sharded on dim {dim} (inputs {_describe(inputs)}); redistribute the inputs to Replicate first"
+            )
+        start, size = specs[owner].offsets()[dim], specs[owner].local_shape()[dim]
+        mask = (locals_[i] < start) | (locals_[i] >= start + size)
+        locals_[i] = (locals_[i] - start).masked_fill(mask, 0)
+        if size == 0:  # an empty slab has no row 0: one of zeros stands in, and every output is masked
+            locals_[owner] = locals_[owner].new_zeros(locals_[owner].shape[:dim] + (1,) + locals_[owner].shape[dim + 1 :])
+        masks[axis] = mask
+    return masks
+
+
+def _settle_private_partials(
+    result: torch.Tensor, placements: tuple, masks: dict[int, torch.Tensor], op, inputs
+) -> tuple[torch.Tensor, tuple, float | None]:
+    """DTensor's private partial outputs in our placements, and the ``p`` of a partial norm.
+
+    A masked lookup's output (``_MaskPartial``) has the entries of masked indices zeroed and sums
+    over the axis: ``Partial("sum")``.  A partial p-norm (``_NormPartial``) becomes the
+    ``Partial("sum")`` of norm**p, which ``_wrap_outputs`` reduces at once and takes the 1/p power
+    of (no later op could carry the power).  Anything else is left for ``_output_spec`` to refuse.
+    """
+    settled, norm, norm_axes = [], None, []
+    for axis, placement in enumerate(placements):
+        p = private.norm_partial(placement)
+        if private.mask_partial(placement) is not None and axis in masks:
+            mask = masks[axis]
+            if result.shape[: mask.ndim] != mask.shape:
+                raise ShardingRuleError(
+                    f"{op}: an output of shape {tuple(result.shape)} does not extend its masked index "
+                    f"{tuple(mask.shape)} (inputs {_describe(inputs)}); redistribute the inputs to Replicate first"
+                )
+            result = result.masked_fill(mask.reshape(*mask.shape, *[1] * (result.ndim - mask.ndim)), 0)
+            settled.append(Partial("sum"))
+        elif p is not None and norm in (None, p):
+            norm = p
+            norm_axes.append(axis)
+            settled.append(Partial("sum"))
+        else:
+            settled.append(placement)
+    if norm is not None:
+        if any(q.is_partial() for axis, q in enumerate(settled) if axis not in norm_axes):
+            raise ShardingRuleError(
+                f"{op}: DTensor's rule yields a partial {norm}-norm beside another pending reduction "
+                f"{tuple(placements)} (inputs {_describe(inputs)}); redistribute the inputs to Replicate first"
+            )
+        result = result**norm
+    return result, tuple(settled), norm
 
 
 def _in_memory_order_of(local: torch.Tensor, spec: ShardTensorSpec) -> torch.Tensor:
@@ -271,12 +373,20 @@ def _both_empty(a: torch.Size, b: torch.Size) -> bool:
 
 
 def _wrap_outputs(
-    result: Any, output_spec: Any, canonical: dict, op, inputs, slab_shapes: SlabShapes, path: tuple[int, ...] = ()
+    result: Any,
+    output_spec: Any,
+    canonical: dict,
+    op,
+    inputs,
+    slab_shapes: SlabShapes,
+    masks: dict[int, torch.Tensor],
+    path: tuple[int, ...] = (),
 ) -> Any:
     if output_spec is None:
         return result
     if isinstance(result, torch.Tensor):
-        spec = _output_spec(result, output_spec, canonical, op, inputs, slab_shapes, path)
+        result, placements, norm = _settle_private_partials(result, tuple(output_spec.placements), masks, op, inputs)
+        spec = _output_spec(result, output_spec, placements, canonical, op, inputs, slab_shapes, path)
         if result.shape != spec.local_shape():  # an empty slab: some kernels (pixel_shuffle) return it reshaped not at all
             result = result.new_empty(spec.local_shape())
         if result.dtype is torch.bool and spec.has_partial:
@@ -284,11 +394,14 @@ def _wrap_outputs(
             # would carry it on as a sum or a product of numbers
             resolved = without_partials(spec)
             return ShardTensor(redistribute_local(result, spec, resolved), resolved)
+        if norm is not None:
+            resolved = without_partials(spec)
+            return ShardTensor(redistribute_local(result, spec, resolved) ** (1 / norm), resolved)
         return ShardTensor(result, spec)
     if isinstance(result, (list, tuple)):
         specs = output_spec if isinstance(output_spec, (list, tuple)) else [output_spec] * len(result)
         wrapped = [
-            _wrap_outputs(r, s, canonical, op, inputs, slab_shapes, (*path, i))
+            _wrap_outputs(r, s, canonical, op, inputs, slab_shapes, masks, (*path, i))
             for i, (r, s) in enumerate(zip(result, specs))
         ]
         return type(result)(wrapped)

@@ -71,3 +71,33 @@ def test_propagation_cache_keys_every_argument():
     the first call's output."""
     shapes = run_on_ranks(2, _decisions_follow_every_argument)[0]
     assert shapes == {"histc 6": (6,), "histc 4": (4,), "topk 3": (6, 3), "topk 2": (6, 2)}, shapes
+
+
+def _private_partials():
+    mesh = get_mesh((2,))
+    x = _spec(mesh, [Shard(1)], (6, 4))
+    index = private.make_spec(mesh, (Replicate(),), torch.Size((6, 1)), (1, 1), torch.int64)
+    gathered = private.propagate(aten.gather.default, (x, 1, index), {})
+    target = [s for s in gathered.redistribute_schema.args_schema if isinstance(s, private.DTensorSpec)]
+    facts = {
+        "gather_input": tuple(target[0].placements),
+        "gather_index": private.mask_partial(target[1].placements[0]),
+        "gather_output": private.mask_partial(gathered.output_spec.placements[0]),
+    }
+    for p in (3, 2.5, 0, float("inf")):
+        placement = private.propagate(aten.norm.ScalarOpt_dim, (x, p, [1]), {}).output_spec.placements[0]
+        facts[f"norm {p}"] = (private.norm_partial(placement), private.mask_partial(placement), placement.is_partial())
+    facts["plain"] = [(private.mask_partial(p), private.norm_partial(p)) for p in (Partial("sum"), Replicate(), Shard(0))]
+    return facts
+
+
+def test_private_partials_we_translate():
+    """A replicated index of extent 1 into a sharded gather dim becomes DTensor's ``_MaskPartial``
+    (masked lookup, then a sum), the same on the output; a p-norm over a sharded dim is a
+    ``_NormPartial(p)`` except for p in {0, inf, -inf}, which are ordinary partials."""
+    facts = run_on_ranks(2, _private_partials)[0]
+    assert facts["gather_input"] == (Shard(1),)
+    assert facts["gather_index"] == facts["gather_output"] == (1, torch.Size((6, 4)))
+    assert facts["norm 3"] == (3.0, None, True) and facts["norm 2.5"] == (2.5, None, True)
+    assert facts["norm 0"] == (None, None, True) and facts["norm inf"] == (None, None, True)
+    assert facts["plain"] == [(None, None)] * 3

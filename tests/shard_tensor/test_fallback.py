@@ -56,6 +56,34 @@ CASES = {
 SIZES = {"balanced": None, "skewed": "skewed"}
 
 
+def _shard_w(mesh):
+    """Shard the last dim of an (N, C, H, W) field; on 2-D meshes H over axis 0 and W over axis 1."""
+    return [Shard(3)] if mesh.ndim == 1 else [Shard(2), Shard(3)]
+
+
+def _take_along_argmax(x):
+    return torch.take_along_dim(x, x.argmax(dim=2, keepdim=True), dim=2)
+
+
+# DTensor's rules answer these with private partials: a lookup through a replicated index into a
+# sharded dim (_MaskPartial: each rank looks up the rows it holds, the rest are zeroed and summed)
+# and a norm over a sharded dim (_NormPartial(p): each rank holds the p-norm of its part).  H and
+# W of 12 split evenly over 2, 3 and 4 ranks ("balanced") and unevenly ("skewed"); float64 to 1e-10.
+PRIVATE_PARTIAL_CASES = {
+    "take_along_dim_argmax_of_sharded_dim": (_take_along_argmax, [(2, 3, 12, 12)], lambda m: [_shard_h(m)]),
+    "aten_gather_replicated_index_into_sharded_dim": (
+        lambda x: torch.ops.aten.gather(x, 2, x.argmax(dim=2, keepdim=True)), [(2, 3, 12, 12)], lambda m: [_shard_h(m)]
+    ),
+    "embedding_of_row_sharded_weight": (
+        lambda w: F.embedding(torch.tensor([[0, 11, 3], [6, 6, 1]]), w), [(12, 4)], lambda m: [[Shard(0)] + [Replicate()] * (m.ndim - 1)]
+    ),
+    "pairwise_distance_over_sharded_dim": (F.pairwise_distance, [(2, 3, 12, 12)] * 2, lambda m: [_shard_w(m)] * 2),
+    "pairwise_distance_p3_over_sharded_dim": (
+        lambda a, b: F.pairwise_distance(a, b, p=3), [(2, 3, 12, 12)] * 2, lambda m: [_shard_w(m)] * 2
+    ),
+}
+
+
 def _skewed(mesh, placements, shape):
     """A non-chunk split: everything on the last coordinate of each sharded axis but one row per rank."""
     sizes = {}
@@ -70,15 +98,15 @@ def _skewed(mesh, placements, shape):
     return sizes
 
 
-def _run_case(mesh_shape, name, split):
-    fn, shapes, placements_of = CASES[name]
+def _run_case(mesh_shape, name, split, dtype=torch.float32, tol=1e-5):
+    fn, shapes, placements_of = {**CASES, **PRIVATE_PARTIAL_CASES}[name]
     mesh = get_mesh(mesh_shape)
-    inputs = [_x(s, seed=i) for i, s in enumerate(shapes)]
+    inputs = [_x(s, seed=i).to(dtype) for i, s in enumerate(shapes)]
     placements = placements_of(mesh)
     sizes = None
     if split == "skewed":
         sizes = [None if p is None else _skewed(mesh, p, s) for p, s in zip(placements, shapes)]
-    assert_sharded_matches(fn, inputs, mesh, placements, sharding_sizes=sizes)
+    assert_sharded_matches(fn, inputs, mesh, placements, sharding_sizes=sizes, atol=tol, rtol=tol)
     return True
 
 
@@ -88,6 +116,29 @@ def _run_case(mesh_shape, name, split):
 def test_fallback_op_matches_single_device(mesh_shape, name, split):
     run_on_ranks(world_of(mesh_shape), _run_case, mesh_shape, name, split)
 
+
+@pytest.mark.parametrize("split", sorted(SIZES))
+@pytest.mark.parametrize("name", sorted(PRIVATE_PARTIAL_CASES))
+@pytest.mark.parametrize("mesh_shape", LAYOUTS, ids=str)
+def test_dtensor_private_partials_match_single_device(mesh_shape, name, split):
+    """take_along_dim raised on DTensor's _MaskPartial index and pairwise_distance on its
+    _NormPartial output: the index is now masked with our (uneven) split and the output summed,
+    and the partial norm reduced at once; forward and input gradients match one device."""
+    run_on_ranks(world_of(mesh_shape), _run_case, mesh_shape, name, split, torch.float64, 1e-10)
+
+
+def _masked_lookup_with_empty_shards() -> bool:
+    mesh = get_mesh((4,))
+    x = _x((2, 3, 12, 5)).double()
+    sizes = [{0: [0, 5, 0, 7]}]
+    assert_sharded_matches(_take_along_argmax, [x], mesh, [[Shard(2)]], sharding_sizes=sizes, atol=1e-10, rtol=1e-10)
+    return True
+
+
+def test_a_masked_lookup_runs_on_empty_shards():
+    """A rank holding no rows of the looked-up dim has no row for a masked index to point at: it
+    looks up a stand-in row of zeros, and all its outputs are masked."""
+    assert all(run_on_ranks(4, _masked_lookup_with_empty_shards))
 
 
 def _resized_split_without_meeting(mesh_shape, sizes):
