@@ -141,6 +141,30 @@ def test_a_masked_lookup_runs_on_empty_shards():
     assert all(run_on_ranks(4, _masked_lookup_with_empty_shards))
 
 
+def _bytes_of_private_partials() -> dict[str, int]:
+    mesh = get_mesh((2,))
+    x = distribute_tensor(_x((2, 3, 256, 8)), mesh, [Shard(2)])
+    index = x.argmax(dim=2, keepdim=True)
+    y = distribute_tensor(_x((2, 3, 8, 256), seed=1), mesh, [Shard(3)])
+    z = distribute_tensor(_x((2, 3, 8, 256), seed=2), mesh, [Shard(3)])
+    sent = {}
+    for name, fn in {"take_along_dim": lambda: torch.take_along_dim(x, index, dim=2).full_tensor(),
+                     "pairwise_distance": lambda: F.pairwise_distance(y, z).full_tensor()}.items():
+        with count_communication() as log:
+            fn()
+        sent[name] = log.bytes_sent
+    return sent
+
+
+def test_private_partials_send_outputs_not_slabs():
+    """The masked lookup and the partial norm send what their (small) outputs hold, never a slab:
+    a gather of the looked-up slab would be 2 * 3 * 128 * 8 floats (24 KiB) per rank."""
+    for sent in run_on_ranks(2, _bytes_of_private_partials):
+        # the lookup's output is (2, 3, 1, 8) and the norms (2, 3, 8): summed, then gathered whole
+        assert sent["take_along_dim"] <= 4 * 2 * 3 * 8 * 4, sent
+        assert sent["pairwise_distance"] <= 4 * 2 * 3 * 8 * 4, sent
+
+
 def _resized_split_without_meeting(mesh_shape, sizes):
     mesh = get_mesh(mesh_shape)
     x = _x((2, 8, 14 if sizes else 16, 8))  # every slab an even number of rows
