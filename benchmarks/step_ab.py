@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from model_memory import _sync, build_model, global_batch, training_step  # noqa: E402
 from rank_processes import run_ranks  # noqa: E402
 
-__all__ = ["alternate_steps", "main"]
+__all__ = ["alternate_steps", "rounds_parser", "parse_rounds", "main"]
 
 
 def _recording_losses(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[Callable[[], None], list[torch.Tensor]]:
@@ -158,15 +158,25 @@ def format_report(summary: dict[str, Any], args: argparse.Namespace) -> str:
     ])
 
 
-def main(argv: Sequence[str] | None = None) -> str:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def rounds_parser(description: str) -> argparse.ArgumentParser:
+    """The options of a script that alternates steps in rounds on N ranks (this one, ``step_families.py``)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--grid", nargs=2, type=int, default=[256, 384], metavar=("H", "W"))
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds (default 7)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
+    return parser
+
+
+def parse_rounds(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.ranks < 2 or args.rounds < 1 or args.warmup < 1:
         parser.error("--ranks must be >= 2, --rounds and --warmup >= 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> str:
+    args = parse_rounds(rounds_parser(__doc__), argv)
     text = format_report(summarize(run_ranks(args.ranks, _rank_body, args)), args)
     print(text, flush=True)
     return text

@@ -61,6 +61,7 @@ __all__ = [
     "opened_channel",
     "close_channels",
     "collectives_over_c10d",
+    "seconds_waited",
     "SLOT_BYTES",
     "MESSAGE_SLOT_BYTES",
     "ENABLE_ENV_VAR",
@@ -246,18 +247,22 @@ class HostChannel:
 
     def _spin(self, index: int, value: int, peer: int) -> None:
         """Spin (yielding the CPU) until the counter moves; sleep once the peer is clearly late."""
+        global _seconds_waited
         start = time.monotonic()
         next_check = start + _LIVENESS_EVERY_S
         yield_until = start if self._oversubscribed else start + _YIELD_FOR_S
-        while self._counters[index] < value:
-            now = time.monotonic()
-            if now < yield_until:
-                os.sched_yield()
-                continue
-            time.sleep(_SLEEP_S)
-            if now >= next_check:
-                next_check = now + _LIVENESS_EVERY_S
-                self._check_peer(peer, now - start)
+        try:
+            while self._counters[index] < value:
+                now = time.monotonic()
+                if now < yield_until:
+                    os.sched_yield()
+                    continue
+                time.sleep(_SLEEP_S)
+                if now >= next_check:
+                    next_check = now + _LIVENESS_EVERY_S
+                    self._check_peer(peer, now - start)
+        finally:
+            _seconds_waited += time.monotonic() - start
 
     def _check_peer(self, peer: int, waited_s: float) -> None:
         pid = self._pids[peer]
@@ -358,6 +363,17 @@ def opened_channel(group: ProcessGroup, device: torch.device, nbytes: int) -> Ho
 
 
 _over_c10d = False
+_seconds_waited = 0.0
+
+
+def seconds_waited() -> float:
+    """Seconds this process has spent in host-channel collectives and messages waiting for a peer
+    that had not arrived yet (rank drift: the cost of a synchronization beyond its own latency).
+
+    A running total: read it before and after a region.  Waits inside gloo collectives (large
+    messages, CUDA, other hosts) are not counted.
+    """
+    return _seconds_waited
 
 
 @contextlib.contextmanager

@@ -389,14 +389,13 @@ def _wrap_outputs(
         spec = _output_spec(result, output_spec, placements, canonical, op, inputs, slab_shapes, path)
         if result.shape != spec.local_shape():  # an empty slab: some kernels (pixel_shuffle) return it reshaped not at all
             result = result.new_empty(spec.local_shape())
-        if result.dtype is torch.bool and spec.has_partial:
-            # a pending logical or / and (any, all): reduced now, since a later op (a cast to float)
-            # would carry it on as a sum or a product of numbers
+        if (result.dtype is torch.bool and spec.has_partial) or norm is not None:
+            # reduced now: a pending logical or / and (any, all), which a later op (a cast to float)
+            # would carry on as a sum or a product of numbers; a partial norm's sum of powers, which
+            # no later op could take the root of
             resolved = without_partials(spec)
-            return ShardTensor(redistribute_local(result, spec, resolved), resolved)
-        if norm is not None:
-            resolved = without_partials(spec)
-            return ShardTensor(redistribute_local(result, spec, resolved) ** (1 / norm), resolved)
+            reduced = redistribute_local(result, spec, resolved)
+            return ShardTensor(reduced if norm is None else reduced ** (1 / norm), resolved)
         return ShardTensor(result, spec)
     if isinstance(result, (list, tuple)):
         specs = output_spec if isinstance(output_spec, (list, tuple)) else [output_spec] * len(result)

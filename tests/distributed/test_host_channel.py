@@ -210,6 +210,27 @@ def test_environment_variable_turns_the_channel_off():
     assert run_on_ranks(2, _disabled_by_environment) == [(True, 2.0)] * 2
 
 
+def _waits_for_a_late_peer() -> float:
+    import time
+
+    import torch.distributed as dist
+
+    from physics_dp.distributed import collectives, host_channel
+
+    collectives.all_reduce(torch.ones(1), "sum", dist.group.WORLD)  # the channel is open, the ranks met
+    before = host_channel.seconds_waited()
+    if dist.get_rank() == 1:
+        time.sleep(0.3)
+    collectives.all_reduce(torch.ones(1), "sum", dist.group.WORLD)
+    return host_channel.seconds_waited() - before
+
+
+def test_the_time_a_rank_waits_for_a_late_peer_is_counted():
+    early, late = run_on_ranks(2, _waits_for_a_late_peer)
+    assert early >= 0.2  # rank 0 waited for the sleeping rank 1 ...
+    assert late < early  # ... which found rank 0 already there
+
+
 def _one_rank_waits_alone() -> str:
     import torch.distributed as dist
 
