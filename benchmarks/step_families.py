@@ -91,6 +91,9 @@ class FamilyClock:
         self._open[key] = (time.perf_counter(), _waited())
 
     def close(self, key: tuple[int, str], family: str) -> None:
+        """Add the time since ``open(key)`` to the family's clock (nothing if ``reset`` came between)."""
+        if key not in self._open:
+            return
         start, waited = self._open.pop(key)
         self.seconds[f"{family}/{key[1]}"] += time.perf_counter() - start
         self.seconds[f"{family}/waited"] += _waited() - waited
@@ -134,7 +137,7 @@ class _Mark(torch.autograd.Function):
         key = (ctx.module, "backward")
         if ctx.after:
             ctx.clock.open(key)
-        elif key in ctx.clock._open:
+        else:
             ctx.clock.close(key, ctx.family)
         return grad, None, None, None, None
 
