@@ -41,7 +41,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from model_memory import _sync, build_model, global_batch, training_step  # noqa: E402
 from rank_processes import run_ranks  # noqa: E402
 
-__all__ = ["alternate_steps", "rounds_parser", "parse_rounds", "main"]
+__all__ = ["StepSides", "step_sides", "alternate_steps", "rounds_parser", "parse_rounds", "main"]
 
 
 def _recording_losses(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[Callable[[], None], list[torch.Tensor]]:
@@ -69,6 +69,33 @@ def _time_into(times: list[float], step: Callable[[], None], device: torch.devic
         times.append(time.perf_counter() - start)
 
 
+class StepSides(NamedTuple):
+    """One training problem, set up for the scripts that time its sides against each other."""
+
+    device: torch.device
+    batch: dict[str, torch.Tensor]  # the global batch, whole on every rank
+    sharded_model: torch.nn.Module  # ``parallelize(..., "none")``
+    sharded_batch: dict[str, torch.Tensor]  # the batch sharded over H on the domain axis
+    slab_model: torch.nn.Module  # the whole grid's model (its configuration places attention by the grid's height)
+    slab_batch: dict[str, torch.Tensor]  # this rank's rows of the batch, as plain tensors: the floor
+
+
+def step_sides(mesh: Any, grid: Sequence[int]) -> StepSides:
+    """The sharded and the slab side of the StormCast lite step on ``mesh`` (a ("data", "domain")
+    mesh with a data axis of size 1), on its device, from the same weights and data."""
+    from physics_dp.nn import domain_mesh, parallelize
+    from physics_dp.shard_tensor import Shard, distribute_tensor
+
+    domain = domain_mesh(mesh)
+    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    batch = {k: v.to(device) for k, v in global_batch(1, 3, 5, tuple(grid), 0).items()}
+    sharded_batch = {k: distribute_tensor(v, domain, [Shard(2)]) for k, v in batch.items()}
+    return StepSides(
+        device, batch, parallelize(build_model(tuple(grid), 3, 5).to(device), mesh, "none"), sharded_batch,
+        build_model(tuple(grid), 3, 5).to(device), {k: v.to_local().detach().clone() for k, v in sharded_batch.items()},
+    )
+
+
 def alternate_steps(mesh: Any, grid: Sequence[int], rounds: int, warmup: int) -> dict[str, Any]:
     """Alternate a plain step (rank 0 only), a sharded step and a slab step (every rank at once),
     ``warmup + rounds`` times.
@@ -77,20 +104,15 @@ def alternate_steps(mesh: Any, grid: Sequence[int], rounds: int, warmup: int) ->
     seconds per round (``plain`` is empty except on rank 0) and the first step's losses.
     """
     from physics_dp.distributed.collectives import barrier
-    from physics_dp.nn import domain_mesh, parallelize
-    from physics_dp.shard_tensor import Shard, distribute_tensor
+    from physics_dp.nn import domain_mesh
 
     domain = domain_mesh(mesh)
-    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
-    batch = {k: v.to(device) for k, v in global_batch(1, 3, 5, tuple(grid), 0).items()}
-    sharded_batch = {k: distribute_tensor(v, domain, [Shard(2)]) for k, v in batch.items()}
-    sharded_step, sharded_losses = _recording_losses(parallelize(build_model(tuple(grid), 3, 5).to(device), mesh, "none"), sharded_batch)
+    sides = step_sides(mesh, grid)
+    device = sides.device
+    sharded_step, sharded_losses = _recording_losses(sides.sharded_model, sides.sharded_batch)
     lead = dist.get_rank() == 0
-    plain_step, plain_losses = _recording_losses(build_model(tuple(grid), 3, 5).to(device), batch) if lead else (None, [])
-    # the whole grid's model (its configuration places attention by the grid's height) on this rank's rows
-    slab_step, _ = _recording_losses(
-        build_model(tuple(grid), 3, 5).to(device), {k: v.to_local().detach().clone() for k, v in sharded_batch.items()}
-    )
+    plain_step, plain_losses = _recording_losses(build_model(tuple(grid), 3, 5).to(device), sides.batch) if lead else (None, [])
+    slab_step, _ = _recording_losses(sides.slab_model, sides.slab_batch)
     plain, sharded, slab = [], [], []
     for index in range(warmup + rounds):
         timed = index >= warmup

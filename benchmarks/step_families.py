@@ -23,7 +23,8 @@ has its backward in "everything else": marking it would make autograd compute th
 The floor of attention is the slab's times the number of domain ranks: exact attention on N
 ranks attends each rank's 1/N of the queries to every key, N times the work of a slab attending
 to its own tokens.  The step's floor is the slab step plus that difference.  The marks cost a few
-microseconds each (two autograd nodes per module), on both sides.
+microseconds each (two autograd nodes per module), on both sides.  CPU ranks only: on a GPU the
+marks would time kernel launches, not kernels, so a CUDA mesh is refused.
 
     python benchmarks/step_families.py                     # 2 ranks, 256x384 grid, 7 rounds
     python benchmarks/step_families.py --grid 64 96 --rounds 5 --json out.json
@@ -46,9 +47,11 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model_memory import build_model, global_batch, training_step  # noqa: E402
+from model_memory import training_step  # noqa: E402
 from rank_processes import run_ranks  # noqa: E402
-from step_ab import parse_rounds, rounds_parser  # noqa: E402
+from step_ab import parse_rounds, rounds_parser, step_sides  # noqa: E402
+
+from physics_dp.distributed.host_channel import seconds_waited  # noqa: E402
 
 __all__ = ["FAMILIES", "FamilyClock", "time_families", "summarize", "format_report", "main"]
 
@@ -59,12 +62,6 @@ FAMILIES: dict[str, Callable[[nn.Module], bool]] = {
     "group norm": lambda m: isinstance(m, nn.GroupNorm),
     "attention": lambda m: isinstance(m, nn.MultiheadAttention),
 }
-
-
-def _waited() -> float:
-    from physics_dp.distributed.host_channel import seconds_waited
-
-    return seconds_waited()
 
 
 class FamilyClock:
@@ -88,7 +85,7 @@ class FamilyClock:
         self._marked.clear()
 
     def open(self, key: tuple[int, str]) -> None:
-        self._open[key] = (time.perf_counter(), _waited())
+        self._open[key] = (time.perf_counter(), seconds_waited())
 
     def close(self, key: tuple[int, str], family: str) -> None:
         """Add the time since ``open(key)`` to the family's clock (nothing if ``reset`` came between)."""
@@ -96,7 +93,7 @@ class FamilyClock:
             return
         start, waited = self._open.pop(key)
         self.seconds[f"{family}/{key[1]}"] += time.perf_counter() - start
-        self.seconds[f"{family}/waited"] += _waited() - waited
+        self.seconds[f"{family}/waited"] += seconds_waited() - waited
 
     def _entering(self, family: str) -> Callable:
         def hook(module: nn.Module, args: tuple) -> tuple:
@@ -149,28 +146,24 @@ def time_families(mesh: Any, grid: Sequence[int], rounds: int, warmup: int) -> d
     ``{"step": s, "waited": s, "seconds": {"<family>/<forward|backward|waited>": s}, "calls": {family: n}}``.
     """
     from physics_dp.distributed.collectives import barrier
-    from physics_dp.nn import domain_mesh, parallelize
-    from physics_dp.shard_tensor import Shard, distribute_tensor
+    from physics_dp.nn import domain_mesh
 
-    domain = domain_mesh(mesh)
-    batch = global_batch(1, 3, 5, tuple(grid), 0)
-    sharded_batch = {k: distribute_tensor(v, domain, [Shard(2)]) for k, v in batch.items()}
-    sharded_model = parallelize(build_model(tuple(grid), 3, 5), mesh, "none")
-    slab_model = build_model(tuple(grid), 3, 5)  # the whole grid's model (attention placed by its height) on this rank's rows
+    if mesh.device_type != "cpu":
+        raise ValueError(f"step_families times CPU ranks only; on {mesh.device_type} the marks would time kernel launches")
+    problem = step_sides(mesh, grid)
     sides = {
-        "sharded": (training_step(sharded_model, sharded_batch)[0], FamilyClock(sharded_model)),
-        "slab": (training_step(slab_model, {k: v.to_local().detach().clone() for k, v in sharded_batch.items()})[0],
-                 FamilyClock(slab_model)),
+        "sharded": (training_step(problem.sharded_model, problem.sharded_batch)[0], FamilyClock(problem.sharded_model)),
+        "slab": (training_step(problem.slab_model, problem.slab_batch)[0], FamilyClock(problem.slab_model)),
     }
-    group = domain.get_group(0)
+    group = domain_mesh(mesh).get_group(0)
     results: dict[str, list] = {side: [] for side in sides}
     for index in range(warmup + rounds):
         for side, (step, clock) in sides.items():
             clock.reset()
             barrier(group)
-            start, waited = time.perf_counter(), _waited()
+            start, waited = time.perf_counter(), seconds_waited()
             step()
-            waited = _waited() - waited  # (not the barrier's: a faster rank waits there for the slowest one)
+            waited = seconds_waited() - waited  # (not the barrier's: a faster rank waits there for the slowest one)
             barrier(group)
             if index >= warmup:
                 results[side].append({"step": time.perf_counter() - start, "waited": waited,
