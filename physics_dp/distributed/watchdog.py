@@ -26,6 +26,7 @@ import torch.distributed as dist
 __all__ = ["WATCHDOG_EXIT_CODE", "Watchdog"]
 
 WATCHDOG_EXIT_CODE = 75
+_JOIN_GRACE_S = 1.0  # how long past one beat a stopping watchdog waits for its threads
 
 
 class Watchdog:
@@ -39,7 +40,7 @@ class Watchdog:
         self.interval_s = min(max(self.silence_s / 10, 0.1), 5.0)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._server: dist.TCPStore | None = None
+        self._server: dist.TCPStore | None = None  # rank 0's, hosting every rank's counter
 
     def __enter__(self) -> Watchdog:
         self.start()
@@ -72,9 +73,19 @@ class Watchdog:
             thread.start()
 
     def stop(self) -> None:
-        """Stop watching (local; peers stopping later do not mind: they stop watching too)."""
+        """Stop watching, and close rank 0's store now (local; peers stopping later do not mind: they
+        stop watching too).
+
+        The threads are joined and the server dropped here, at the end of the job's run, not by the
+        garbage collector at some later point, when its native threads would shut down in the middle
+        of the next run's collectives.  A thread still blocked in the store after one more beat is
+        left to end on its own (it is a daemon).
+        """
         self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=self.interval_s + _JOIN_GRACE_S)
         self._threads = []
+        self._server = None
 
     def _beat(self, store: dist.TCPStore, rank: int, world: int) -> None:
         keys = [f"beat/{r}" for r in range(world)]
