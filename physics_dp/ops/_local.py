@@ -18,7 +18,7 @@ from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
 from ..shard_tensor import Replicate, Shard, ShardTensor, ShardTensorSpec
-from ..shard_tensor.conversions import from_local_with_spec, to_local
+from ..shard_tensor.conversions import from_local_with_spec, shared_local, to_local
 from ..shard_tensor.dtensor_params import is_dtensor_param, local_replica
 from ..shard_tensor.redistribute import redistribute_local
 from .grad_sums import SumGradOverGroups
@@ -49,8 +49,9 @@ class ShardedOpError(NotImplementedError):
 
 
 def local_input(tensor: ShardTensor) -> torch.Tensor:
-    """The slab of ``tensor`` as a plain tensor in the local autograd graph."""
-    return to_local(tensor)
+    """The slab of ``tensor`` as a plain tensor in the local autograd graph (the same one for every
+    op that reads ``tensor``: :func:`.conversions.shared_local`)."""
+    return shared_local(tensor)
 
 
 def sharded_axes(tensor: ShardTensor) -> list[tuple[int, int]]:

@@ -286,7 +286,8 @@ def _differentiable_ring_backward(ctx, grad_out: torch.Tensor) -> list[torch.Ten
     rank's key gradients home, differentiates again), attends over them with explicit scores and
     differentiates that with ``create_graph``: whole K/V per rank, paid only by a double backward.
     """
-    q, k, v = ctx.saved_tensors[:3]
+    # a view each: one tensor passed as key and value (self-attention) gets one gradient per argument
+    q, k, v = (t.view_as(t) for t in ctx.saved_tensors[:3])
     meta: RingMeta = ctx.meta
     total = sum(meta.kv_sizes)
     windows, dim = ((0, total),) * meta.size, k.ndim - 2

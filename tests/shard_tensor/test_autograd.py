@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from physics_dp.distributed.collectives import count_communication
 from physics_dp.shard_tensor import Partial, Replicate, Shard, ShardTensor, distribute_tensor, scatter_tensor
@@ -314,3 +317,70 @@ def _checkpointed_block(reentrant: bool, sizes: list[int]) -> list[float]:
 def test_activation_checkpointing_recomputes_the_sharded_forward(reentrant: bool, sizes: list[int]) -> None:
     for diffs in run_on_ranks(len(sizes), _checkpointed_block, reentrant, sizes):
         assert max(diffs) == 0.0, diffs
+
+
+# ----- op handlers share one conversion per tensor ----------------------------------------------
+class _ShardTensorAdds(TorchDispatchMode):
+    """Counts additions of ShardTensors (how autograd sums the gradients of a tensor read twice)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.add.Tensor and any(isinstance(a, ShardTensor) for a in args):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _two_ops_read_one_tensor(sizes: list[int]) -> tuple[list[float], int]:
+    """A tensor read by a group norm and a 1x1 conv (a decoder block's input): gradients equal one
+    device's, and they add up in the local graph, not as ShardTensors."""
+    torch.manual_seed(0)
+    norm, skip = torch.nn.GroupNorm(2, 8), torch.nn.Conv2d(8, 4, 1)
+    values = torch.randn(2, 8, sum(sizes), 5)
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        h = x * 1.5
+        return norm(h).square().sum() + skip(h).square().sum()
+
+    plain = values.clone().requires_grad_()
+    loss(plain).backward()
+    expected = [plain.grad, norm.weight.grad.clone(), skip.weight.grad.clone()]
+    norm.zero_grad(), skip.zero_grad()
+    x = distribute_tensor(values, get_mesh((len(sizes),)), [Shard(2)], {0: sizes}).requires_grad_()
+    total = loss(x)
+    with _ShardTensorAdds() as adds:
+        total.backward()
+    got = [x.grad.full_tensor(), norm.weight.grad, skip.weight.grad]
+    return [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, expected)], adds.count
+
+
+@pytest.mark.parametrize("sizes", [[4, 3], [3, 2, 4]], ids=["2 ranks uneven", "3 ranks"])
+def test_a_tensor_read_by_two_ops_sums_its_gradients_in_the_local_graph(sizes: list[int]) -> None:
+    for diffs, adds in run_on_ranks(len(sizes), _two_ops_read_one_tensor, sizes):
+        assert max(diffs) < 1e-5, diffs  # relative to the largest gradient
+        assert adds == 0  # one per extra read when each read converted the tensor anew
+
+
+def _conversions_shared_until_written(world: int) -> list[bool]:
+    from physics_dp.ops._local import local_input
+
+    x = distribute_tensor(torch.randn(3, 2 * world), get_mesh((world,)), [Shard(1)]).requires_grad_()
+    y = x * 2
+    first = local_input(y)
+    checks = [local_input(y) is first, first.grad_fn is not None]
+    with torch.no_grad():
+        y.add_(1)  # written in place: the next conversion is a new one
+        checks.append(local_input(y) is y._local_tensor)  # no autograd: the slab itself
+    again = local_input(y)
+    checks += [again is not first, torch.equal(again, first), local_input(y) is again]  # (views of one slab)
+    y.mul_(3)  # in place under autograd: the conversion must follow the new graph
+    checks.append(local_input(y).grad_fn is not again.grad_fn)
+    copy.deepcopy(x)  # the cache lives outside the tensor: copies and pickles never meet it
+    return checks
+
+
+def test_op_handlers_share_a_conversion_until_the_tensor_is_written():
+    for checks in run_on_ranks(2, _conversions_shared_until_written, 2):
+        assert all(checks), checks
