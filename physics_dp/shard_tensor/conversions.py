@@ -236,8 +236,8 @@ def shared_local(tensor: ShardTensor) -> torch.Tensor:
     Why: the gradients of a tensor that several ops read then meet in the local graph, as plain
     slabs, which autograd adds in place.  With a conversion node per read they met as ShardTensor
     gradients, which autograd adds out of place (never into a tensor subclass), into a new slab per
-    extra read: about 4% of the 2-rank StormCast lite step at 256 x 384.  Not while tracing: a
-    compiled graph has its own values and no use for a cache.
+    extra read (a U-Net decoder block's input, read by its norm and its skip conv).  Not while
+    tracing: a compiled graph has its own values and no use for a cache.
     """
     if not _needs_autograd(tensor) or is_tracing():
         return to_local(tensor)
