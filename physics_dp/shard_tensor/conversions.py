@@ -237,9 +237,11 @@ def shared_local(tensor: ShardTensor) -> torch.Tensor:
     slabs, which autograd adds in place.  With a conversion node per read they met as ShardTensor
     gradients, which autograd adds out of place (never into a tensor subclass), into a new slab per
     extra read (a U-Net decoder block's input, read by its norm and its skip conv).  Not while
-    tracing: a compiled graph has its own values and no use for a cache.
+    tracing: a compiled graph has its own values and no use for a cache.  Not for leaves: the
+    view's graph ends in the leaf's gradient accumulator, which holds the leaf, so the cache
+    would keep its own key (and the leaf's slab and gradient) alive for good.
     """
-    if not _needs_autograd(tensor) or is_tracing():
+    if not _needs_autograd(tensor) or tensor.grad_fn is None or is_tracing():
         return to_local(tensor)
     # an in-place write moves one of the two counters: the wrapper's under autograd, else the slab's
     state = (tensor._local_tensor, tensor._local_tensor._version, tensor._version)

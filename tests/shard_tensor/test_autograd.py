@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -379,6 +381,26 @@ def _conversions_shared_until_written(world: int) -> list[bool]:
     checks.append(local_input(y).grad_fn is not again.grad_fn)
     copy.deepcopy(x)  # the cache lives outside the tensor: copies and pickles never meet it
     return checks
+
+
+def _shared_conversions_end_with_their_tensors(world: int) -> list[bool]:
+    from physics_dp.ops._local import local_input
+
+    leaf = distribute_tensor(torch.randn(3, 2 * world), get_mesh((world,)), [Shard(1)]).requires_grad_()
+    inner = leaf * 2
+    checks = [local_input(leaf) is not local_input(leaf), local_input(inner) is local_input(inner)]  # leaves: never cached
+    refs = [weakref.ref(leaf), weakref.ref(inner)]
+    (local_input(inner).sum() + local_input(leaf).sum()).backward()
+    del leaf, inner
+    gc.collect()
+    return checks + [ref() is None for ref in refs]
+
+
+def test_shared_conversions_keep_no_tensor_alive():
+    """A leaf's conversion ends in its gradient accumulator, which holds the leaf: cached, it would
+    keep its own key alive.  Leaves are not cached; other tensors' entries end with them."""
+    for checks in run_on_ranks(2, _shared_conversions_end_with_their_tensors, 2):
+        assert all(checks), checks
 
 
 def test_op_handlers_share_a_conversion_until_the_tensor_is_written():
