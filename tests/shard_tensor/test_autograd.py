@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 
 from physics_dp.distributed.collectives import count_communication
 from physics_dp.shard_tensor import Partial, Replicate, Shard, ShardTensor, distribute_tensor, scatter_tensor
@@ -294,7 +295,6 @@ def _checkpointed_block(reentrant: bool, sizes: list[int]) -> list[float]:
     bypassed there (torch functions were off below ``backward``), the recomputation took torch's
     own composites, whose saved tensors or rules differed (CheckpointError / no rule for
     ``native_group_norm_backward``).  The dropout mask must come back the same too."""
-    from torch.utils.checkpoint import checkpoint
 
     torch.manual_seed(0)
     conv = torch.nn.Conv2d(3, 3, 3, padding=1)
@@ -401,6 +401,32 @@ def test_shared_conversions_keep_no_tensor_alive():
     keep its own key alive.  Leaves are not cached; other tensors' entries end with them."""
     for checks in run_on_ranks(2, _shared_conversions_end_with_their_tensors, 2):
         assert all(checks), checks
+
+
+def _checkpointed_reads_of_one_tensor(reentrant: bool) -> list[float]:
+    """A checkpointed block reading a non-leaf input twice: the recompute meets the cached conversion."""
+    torch.manual_seed(0)
+    norm, conv = torch.nn.GroupNorm(2, 4), torch.nn.Conv2d(4, 4, 1)
+    values = torch.randn(1, 4, 7, 5)
+    results = []
+    for checkpointed in (False, True):
+        x = distribute_tensor(values, get_mesh((2,)), [Shard(2)], {0: [4, 3]}).requires_grad_()
+        norm.zero_grad(), conv.zero_grad()
+        h = x * 1.5
+
+        def block(t: torch.Tensor) -> torch.Tensor:
+            return norm(t) * conv(t)
+
+        y = checkpoint(block, h, use_reentrant=reentrant) if checkpointed else block(h)
+        (y.square().sum() + h.sum()).backward()
+        results.append((x.grad.full_tensor(), norm.weight.grad.clone(), conv.weight.grad.clone()))
+    return [(a - b).abs().max().item() for a, b in zip(*results)]
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointing_a_block_that_reads_its_input_twice(reentrant: bool) -> None:
+    for diffs in run_on_ranks(2, _checkpointed_reads_of_one_tensor, reentrant):
+        assert max(diffs) == 0.0, diffs
 
 
 def test_op_handlers_share_a_conversion_until_the_tensor_is_written():
