@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from physics_dp.distributed.collectives import count_communication
 from physics_dp.shard_tensor import Partial, Replicate, Shard, ShardTensor, distribute_tensor, scatter_tensor
+from physics_dp.shard_tensor.conversions import shared_local
 from physics_dp.testing import get_mesh, run_on_ranks
 
 from ._cases import MESHES, SHAPES, expected_local, global_tensor, placement_combos, world_of
@@ -366,31 +367,27 @@ def test_a_tensor_read_by_two_ops_sums_its_gradients_in_the_local_graph(sizes: l
 
 
 def _conversions_shared_until_written(world: int) -> list[bool]:
-    from physics_dp.ops._local import local_input
-
     x = distribute_tensor(torch.randn(3, 2 * world), get_mesh((world,)), [Shard(1)]).requires_grad_()
     y = x * 2
-    first = local_input(y)
-    checks = [local_input(y) is first, first.grad_fn is not None]
+    first = shared_local(y)
+    checks = [shared_local(y) is first, first.grad_fn is not None]
     with torch.no_grad():
         y.add_(1)  # written in place: the next conversion is a new one
-        checks.append(local_input(y) is y._local_tensor)  # no autograd: the slab itself
-    again = local_input(y)
-    checks += [again is not first, torch.equal(again, first), local_input(y) is again]  # (views of one slab)
+        checks.append(shared_local(y) is y._local_tensor)  # no autograd: the slab itself
+    again = shared_local(y)
+    checks += [again is not first, torch.equal(again, first), shared_local(y) is again]  # (views of one slab)
     y.mul_(3)  # in place under autograd: the conversion must follow the new graph
-    checks.append(local_input(y).grad_fn is not again.grad_fn)
+    checks.append(shared_local(y).grad_fn is not again.grad_fn)
     copy.deepcopy(x)  # the cache lives outside the tensor: copies and pickles never meet it
     return checks
 
 
 def _shared_conversions_end_with_their_tensors(world: int) -> list[bool]:
-    from physics_dp.ops._local import local_input
-
     leaf = distribute_tensor(torch.randn(3, 2 * world), get_mesh((world,)), [Shard(1)]).requires_grad_()
     inner = leaf * 2
-    checks = [local_input(leaf) is not local_input(leaf), local_input(inner) is local_input(inner)]  # leaves: never cached
+    checks = [shared_local(leaf) is not shared_local(leaf), shared_local(inner) is shared_local(inner)]  # leaves: never cached
     refs = [weakref.ref(leaf), weakref.ref(inner)]
-    (local_input(inner).sum() + local_input(leaf).sum()).backward()
+    (shared_local(inner).sum() + shared_local(leaf).sum()).backward()
     del leaf, inner
     gc.collect()
     return checks + [ref() is None for ref in refs]
