@@ -224,7 +224,7 @@ def to_local(tensor: ShardTensor) -> torch.Tensor:
     return tensor._local_tensor
 
 
-# tensor -> ((its slab, the slab's and its own version when converted), the view): weak, so an
+# tensor -> (its slab, (the slab's version, its own version) when converted, the view): weak, so an
 # entry ends with its tensor
 _shared_locals = WeakIdKeyDictionary()
 
@@ -243,13 +243,14 @@ def shared_local(tensor: ShardTensor) -> torch.Tensor:
     """
     if not _needs_autograd(tensor) or tensor.grad_fn is None or is_tracing():
         return to_local(tensor)
+    slab = tensor._local_tensor
     # an in-place write moves one of the two counters: the wrapper's under autograd, else the slab's
-    state = (tensor._local_tensor, tensor._local_tensor._version, tensor._version)
-    converted = _shared_locals.get(tensor)
-    if converted is not None and converted[0][0] is state[0] and converted[0][1:] == state[1:]:
-        return converted[1]
+    versions = (slab._version, tensor._version)
+    cached = _shared_locals.get(tensor)
+    if cached is not None and cached[0] is slab and cached[1] == versions:
+        return cached[2]
     local = _ToLocal.apply(tensor)
-    _shared_locals[tensor] = (state, local)
+    _shared_locals[tensor] = (slab, versions, local)
     return local
 
 

@@ -350,7 +350,8 @@ def _two_ops_read_one_tensor(sizes: list[int]) -> tuple[list[float], int]:
     plain = values.clone().requires_grad_()
     loss(plain).backward()
     expected = [plain.grad, norm.weight.grad.clone(), skip.weight.grad.clone()]
-    norm.zero_grad(), skip.zero_grad()
+    norm.zero_grad()
+    skip.zero_grad()
     x = distribute_tensor(values, get_mesh((len(sizes),)), [Shard(2)], {0: sizes}).requires_grad_()
     total = loss(x)
     with _ShardTensorAdds() as adds:
@@ -382,6 +383,11 @@ def _conversions_shared_until_written(world: int) -> list[bool]:
     return checks
 
 
+def test_op_handlers_share_a_conversion_until_the_tensor_is_written():
+    for checks in run_on_ranks(2, _conversions_shared_until_written, 2):
+        assert all(checks), checks
+
+
 def _shared_conversions_end_with_their_tensors(world: int) -> list[bool]:
     leaf = distribute_tensor(torch.randn(3, 2 * world), get_mesh((world,)), [Shard(1)]).requires_grad_()
     inner = leaf * 2
@@ -408,7 +414,8 @@ def _checkpointed_reads_of_one_tensor(reentrant: bool) -> list[float]:
     results = []
     for checkpointed in (False, True):
         x = distribute_tensor(values, get_mesh((2,)), [Shard(2)], {0: [4, 3]}).requires_grad_()
-        norm.zero_grad(), conv.zero_grad()
+        norm.zero_grad()
+        conv.zero_grad()
         h = x * 1.5
 
         def block(t: torch.Tensor) -> torch.Tensor:
@@ -424,8 +431,3 @@ def _checkpointed_reads_of_one_tensor(reentrant: bool) -> list[float]:
 def test_checkpointing_a_block_that_reads_its_input_twice(reentrant: bool) -> None:
     for diffs in run_on_ranks(2, _checkpointed_reads_of_one_tensor, reentrant):
         assert max(diffs) == 0.0, diffs
-
-
-def test_op_handlers_share_a_conversion_until_the_tensor_is_written():
-    for checks in run_on_ranks(2, _conversions_shared_until_written, 2):
-        assert all(checks), checks
