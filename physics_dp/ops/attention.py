@@ -2,8 +2,10 @@
 
 - q and k/v sharded on the same mesh axis: ring attention.  K/V blocks travel around the ring
   (the next block is in flight while the current one is computed) and per-block results merge
-  with a stable log-sum-exp.  The backward runs the ring again, carrying each block's dK/dV
-  accumulators home.  Memory per rank is one block of scores, never the full L x S matrix.
+  with a stable log-sum-exp.  The backward runs the ring again: K/V blocks one step ahead of
+  their use, as in the forward, and each block's dK/dV sum one step behind, travelling home
+  while the next block is computed (2N - 1 messages per rank, the bytes of N).  Memory per rank
+  is one block of scores, never the full L x S matrix.
   A double backward (``create_graph``) instead gathers every K/V block (differentiably) and
   differentiates explicit attention over them.
 - q sharded, k/v whole on every rank (e.g. cross-attention to a replicated context): local, and
@@ -254,28 +256,33 @@ class _RingAttention(torch.autograd.Function):
             return (*_differentiable_ring_backward(ctx, grad_out), None)
         q, k, v, out, lse = ctx.saved_tensors
         meta: RingMeta = ctx.meta
-        e_k, e_v = k.shape[-1], v.shape[-1]
+        e_k = k.shape[-1]
         grad_out = grad_out.contiguous()
         delta = (grad_out * out).sum(-1, keepdim=True)
         safe_lse = _finite(lse)[..., None]
         grad_q = torch.zeros(q.shape, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)  # summed unrounded
-        # travelling block: k, v, dk, dv of its owner
-        block = torch.cat([k, v, torch.zeros_like(k), torch.zeros_like(v)], dim=-1)
+        ring = meta.size > 1
+        # K/V blocks circle as in the forward, each one step ahead of its use; the (dK, dV) of the
+        # block just computed follow one step behind, so both travel while a block is computed
+        kv = torch.cat([k, v], dim=-1)
+        next_kv = _rotate(kv, meta, (meta.me - 1) % meta.size) if ring else None
+        partial = None  # the (dK, dV) the previous ranks summed for the block now computed
         for step in range(meta.size):
             owner = (meta.me - step) % meta.size
-            k_b, v_b = block[..., :e_k], block[..., e_k : e_k + e_v]
-            bias = _block_bias(meta, q.shape[-2], owner, block.shape[-2], q.device, q.dtype)
-            block_grads = _block_backward(grad_out, q, k_b, v_b, out, safe_lse, delta, bias, meta.scale)
+            bias = _block_bias(meta, q.shape[-2], owner, kv.shape[-2], q.device, q.dtype)
+            block_grads = _block_backward(grad_out, q, kv[..., :e_k], kv[..., e_k:], out, safe_lse, delta, bias, meta.scale)
             grad_q += block_grads[0]
-            grad_k_b = block[..., e_k + e_v : 2 * e_k + e_v] + block_grads[1]
-            grad_v_b = block[..., 2 * e_k + e_v :] + block_grads[2]
-            if step + 1 < meta.size:
-                block = torch.cat([k_b, v_b, grad_k_b, grad_v_b], dim=-1)
-            else:
-                block = torch.cat([grad_k_b, grad_v_b], dim=-1)  # only the accumulators go home
-            if meta.size > 1:
-                block = _rotate(block, meta, (owner - 1) % meta.size).wait()[(meta.me - 1) % meta.size]
-        grad_k, grad_v = block[..., -(e_k + e_v) : -e_v], block[..., -e_v:]
+            summed = torch.cat(block_grads[1:], dim=-1)
+            if step + 1 < meta.size:  # (a message is taken before the next one is sent: see HostChannel.send)
+                kv = next_kv.wait()[(meta.me - 1) % meta.size]
+                if step + 2 < meta.size:
+                    next_kv = _rotate(kv, meta, (owner - 2) % meta.size)
+            if partial is not None:
+                summed += partial.wait()[(meta.me - 1) % meta.size]
+            partial = _rotate(summed, meta, (owner - 1) % meta.size) if ring else None
+        # after the last step each block's sum has reached its owner
+        grads = partial.wait()[(meta.me - 1) % meta.size] if ring else summed
+        grad_k, grad_v = grads[..., :e_k], grads[..., e_k:]
         return grad_q.to(q.dtype), grad_k.contiguous(), grad_v.contiguous(), None
 
 

@@ -159,6 +159,31 @@ def test_ring_sends_each_kv_block_around_once(world):
         assert sent == expected
 
 
+def _ring_backward_traffic(world):
+    """What one rank sends in the ring's backward, and when each message is waited for."""
+    mesh = get_mesh((world,))
+    q, k, v = _qkv(length=11, source=11)
+    qs, ks, vs = (distribute_tensor(x, mesh, [Shard(2)]).requires_grad_(True) for x in (q, k, v))
+    out = F.scaled_dot_product_attention(qs, ks, vs)
+    with count_communication() as log:
+        out.backward(torch.ones_like(out))
+    me = mesh.get_coordinate()[0]
+    sizes = ks._spec.axis_sizes[0]
+    per_token = 2 * 2 * (8 + 8) * 4  # K and V rows, or their gradients: n * heads * (E_k + E_v) * fp32
+    kv_blocks = sum(sizes[(me - s) % world] for s in range(world - 1))  # each K/V block goes around once
+    gradient_sums = sum(sizes)  # each block's (dK, dV) sum travels every hop back to its owner
+    return log.kinds(), log.bytes_sent, (kv_blocks + gradient_sums) * per_token
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ring_backward_sends_blocks_ahead_and_gradient_sums_behind(world):
+    """K/V blocks and the (dK, dV) sums travel as separate messages (2N - 1 per rank), so each can
+    be in flight while a block is computed; the bytes are those of carrying both together."""
+    for kinds, sent, expected in run_on_ranks(world, _ring_backward_traffic, world):
+        assert set(kinds) == {"p2p"} and len(kinds) == 2 * world - 1
+        assert sent == expected
+
+
 def _rejects_dropout():
     mesh = get_mesh((2,))
     q, k, v = (distribute_tensor(x, mesh, [Shard(2)]) for x in _qkv())
