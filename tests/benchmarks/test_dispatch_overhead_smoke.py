@@ -110,3 +110,17 @@ def test_report_prints_table_and_verdict_and_writes_json(tmp_path: Path) -> None
         cases = {(r["op"], r["size"], r["regime"]) for r in rank["rows"]}
         assert cases == {("add", 8, "no_autograd"), ("add", 8, "autograd")}
     assert set(payload["verdict"]) >= {"overhead_le_dtensor_everywhere", "meets_half_target_everywhere", "worst"}
+
+
+def test_evicting_batch_streams_the_buffer_before_every_call() -> None:
+    """``--evict-mib`` must pass over its buffer once per timed call, or the calls meet warm caches."""
+    bench = _bench()
+    calls, buffer = [], torch.zeros(1024)
+
+    def op(t: torch.Tensor) -> torch.Tensor:
+        calls.append(float(buffer[0]))  # how many passes preceded this call
+        return t
+
+    per_call = bench._time_batch(op, [torch.ones(1)], 5, evict=buffer)
+    assert calls == [1.0, 2.0, 3.0, 4.0, 5.0] and per_call > 0
+    assert bench.parse_args([]).evict_mib == 0 and bench.parse_args(["--evict-mib", "64"]).evict_mib == 64
