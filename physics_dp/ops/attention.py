@@ -71,6 +71,11 @@ class RingMeta:
     def kv_offset(self, owner: int) -> int:
         return _offsets(self.kv_sizes)[owner]
 
+    @property
+    def previous(self) -> int:
+        """The group rank whose blocks this rank receives (it sends to the next one)."""
+        return (self.me - 1) % self.size
+
 
 def _additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     if mask is None or mask.dtype != torch.bool:
@@ -187,7 +192,7 @@ def _merge(out, lse, block_out, block_lse):
 
 def _rotate(payload: torch.Tensor, meta: RingMeta, incoming_owner: int) -> collectives.PendingExchange:
     """Send ``payload`` to the next rank; receive the previous rank's block (of ``incoming_owner``)."""
-    nxt, prv = (meta.me + 1) % meta.size, (meta.me - 1) % meta.size
+    nxt, prv = (meta.me + 1) % meta.size, meta.previous
     shape = list(payload.shape)
     shape[-2] = meta.kv_sizes[incoming_owner]
     return collectives.start_exchange({nxt: payload}, {prv: shape}, meta.group, dtype=payload.dtype, device=payload.device)
@@ -244,7 +249,7 @@ class _RingAttention(torch.autograd.Function):
             block_out, block_lse = _block_forward(q, block[..., :e_k], block[..., e_k:], bias, meta.scale)
             out, lse = _merge(out, lse, block_out, block_lse)
             if pending is not None:
-                block = pending.wait()[(meta.me - 1) % meta.size]
+                block = pending.wait()[meta.previous]
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.meta = meta
@@ -265,7 +270,7 @@ class _RingAttention(torch.autograd.Function):
         # K/V blocks circle as in the forward, each one step ahead of its use; the (dK, dV) of the
         # block just computed follow one step behind, so both travel while a block is computed
         kv = torch.cat([k, v], dim=-1)
-        next_kv = _rotate(kv, meta, (meta.me - 1) % meta.size) if ring else None
+        next_kv = _rotate(kv, meta, meta.previous) if ring else None
         partial = None  # the (dK, dV) the previous ranks summed for the block now computed
         for step in range(meta.size):
             owner = (meta.me - step) % meta.size
@@ -274,14 +279,14 @@ class _RingAttention(torch.autograd.Function):
             grad_q += block_grads[0]
             summed = torch.cat(block_grads[1:], dim=-1)
             if step + 1 < meta.size:  # (a message is taken before the next one is sent: see HostChannel.send)
-                kv = next_kv.wait()[(meta.me - 1) % meta.size]
+                kv = next_kv.wait()[meta.previous]
                 if step + 2 < meta.size:
                     next_kv = _rotate(kv, meta, (owner - 2) % meta.size)
             if partial is not None:
-                summed += partial.wait()[(meta.me - 1) % meta.size]
+                summed += partial.wait()[meta.previous]
             partial = _rotate(summed, meta, (owner - 1) % meta.size) if ring else None
         # after the last step each block's sum has reached its owner
-        grads = partial.wait()[(meta.me - 1) % meta.size] if ring else summed
+        grads = partial.wait()[meta.previous] if ring else summed
         grad_k, grad_v = grads[..., :e_k], grads[..., e_k:]
         return grad_q.to(q.dtype), grad_k.contiguous(), grad_v.contiguous(), None
 

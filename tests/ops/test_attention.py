@@ -160,7 +160,7 @@ def test_ring_sends_each_kv_block_around_once(world):
 
 
 def _ring_backward_traffic(world):
-    """What one rank sends in the ring's backward, and when each message is waited for."""
+    """What one rank sends in the ring's backward: its message kinds, bytes, and the bytes expected."""
     mesh = get_mesh((world,))
     q, k, v = _qkv(length=11, source=11)
     qs, ks, vs = (distribute_tensor(x, mesh, [Shard(2)]).requires_grad_(True) for x in (q, k, v))
