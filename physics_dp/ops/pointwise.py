@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..shard_tensor import Replicate, Shard, ShardTensor, ShardTensorSpec
+from ..distributed.tracing import is_tracing
 from ..shard_tensor import dispatch
 from ..shard_tensor.placements import SHARDING_PLACEMENTS, StridedShard
 
@@ -170,6 +171,8 @@ def _layout_key(value: Any) -> Any:
         return (value.shape, value._spec.stride, value.dtype)
     if isinstance(value, torch.Tensor):
         return (value.shape, value.stride(), value.dtype)
+    if isinstance(value, (list, tuple)):
+        return tuple(_layout_key(item) for item in value)
     return value if isinstance(value, _KEYED_BY_VALUE) else type(value)
 
 
@@ -185,16 +188,22 @@ def _result_strides(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tup
     """The strides torch gives the op's results for these operand layouts, read from the op run on
     meta tensors once per layout: that run goes through torch's Python references (about 100 us
     on the CPU), and a training step meets the same few layouts every step (a concatenation's
-    gradient slices added to another gradient)."""
+    gradient slices added to another gradient).  Not kept while tracing: symbolic sizes do not hash."""
+    if is_tracing():
+        return _meta_strides(op, args, kwargs)
     key = (op, tuple(_layout_key(a) for a in args), tuple((k, _layout_key(v)) for k, v in kwargs.items()))
     strides = _result_strides_seen.get(key)
     if strides is None:
-        meta_result = op(*[_as_meta(a) for a in args], **{k: _as_meta(v) for k, v in kwargs.items()})
-        strides = tuple(m.stride() for m in (meta_result if isinstance(meta_result, tuple) else (meta_result,)))
+        strides = _meta_strides(op, args, kwargs)
         if len(_result_strides_seen) >= _RESULT_STRIDES_KEPT:
             _result_strides_seen.clear()
         _result_strides_seen[key] = strides
     return strides
+
+
+def _meta_strides(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[tuple[int, ...], ...]:
+    meta_result = op(*[_as_meta(a) for a in args], **{k: _as_meta(v) for k, v in kwargs.items()})
+    return tuple(m.stride() for m in (meta_result if isinstance(meta_result, tuple) else (meta_result,)))
 
 
 def _keeps_contiguous_layout(spec: ShardTensorSpec, args: tuple, kwargs: dict) -> bool:
