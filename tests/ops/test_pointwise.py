@@ -1,10 +1,11 @@
-"""Pointwise ops on operands laid out differently: torch's result layout, read once per layout."""
+"""Pointwise ops on operands laid out differently: torch's result layout, read once per layout, nothing sent."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from physics_dp.distributed.collectives import count_communication
 from physics_dp.ops import pointwise
 from physics_dp.shard_tensor import Shard, distribute_tensor
 from physics_dp.testing import get_mesh, run_on_ranks
@@ -40,11 +41,13 @@ def _result_layout_matches_torch(world: int, case: str) -> bool:
 
     pointwise._as_meta = counting
     try:
-        first = torch.add(x, y, alpha=2.0)
-        again = torch.add(x, y, alpha=3.0)  # same layouts, another scalar: no second meta run
+        with count_communication() as log:
+            first = torch.add(x, y, alpha=2.0)
+            again = torch.add(x, y, alpha=3.0)  # same layouts, another scalar: no second meta run
     finally:
         pointwise._as_meta = real
     assert meta_runs == 2, meta_runs  # both operands, once
+    assert log.calls == 0, log.kinds()  # each rank computes its block from its own slabs
     assert first.stride() == expected.stride() and again.stride() == expected.stride()
     torch.testing.assert_close(first.full_tensor(), expected)
     torch.testing.assert_close(again.full_tensor(), torch.add(plain_x, plain_y, alpha=3.0))
