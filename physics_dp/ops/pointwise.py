@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from ..shard_tensor import Replicate, Shard, ShardTensor, ShardTensorSpec
 from ..distributed.tracing import is_tracing
+from ..shard_tensor import Replicate, Shard, ShardTensor, ShardTensorSpec
 from ..shard_tensor import dispatch
 from ..shard_tensor.placements import SHARDING_PLACEMENTS, StridedShard
 
