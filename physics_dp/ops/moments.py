@@ -120,12 +120,31 @@ def exact_local_moments(x: torch.Tensor, dims: Sequence[int]) -> tuple[int, torc
 
 def _merged(counts: torch.Tensor, means: torch.Tensor, variances: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Chan et al.'s merge of the rows of (R, S) means and biased variances, row ``r`` standing for
-    ``counts[r]`` values ((R, 1)): (total (1,), mean (S,), variance (S,)), in a handful of ops."""
+    ``counts[r]`` values ((R, 1)): (total (1,), mean (S,), variance (S,)).
+
+    Seven small kernels: the weighted sums over the rows are matrix products with the (1, R)
+    weights (each op here is a kernel launch on a GPU, where the norms' statistics are most of a
+    sharded step's launches).
+    """
     total = counts.sum(0)
-    weights = counts / total.clamp(min=1)  # an empty part weighs nothing, an empty whole gives zeros
-    mean = (weights * means).sum(0)
-    spread = (means - mean).square_().add_(variances)
-    return total, mean, spread.mul_(weights).sum(0)
+    weights = (counts / total.clamp(min=1)).t()  # an empty part weighs nothing, an empty whole gives zeros
+    mean = weights @ means
+    deviation = means - mean
+    return total, mean.view(-1), (weights @ torch.addcmul(variances, deviation, deviation)).view(-1)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_count(count: int, device: torch.device) -> torch.Tensor:
+    with torch.inference_mode(False):  # usable outside inference mode too (saved for backward)
+        return torch.full((1,), float(count), dtype=torch.float64, device=device)
+
+
+def _count(count: int, device: torch.device) -> torch.Tensor:
+    """``count`` as a (1,) float64 tensor, made once per value and device (a fill kernel per norm
+    otherwise); fresh while tracing (no global state in a graph).  Callers only read it."""
+    if is_tracing():
+        return torch.full((1,), float(count), dtype=torch.float64, device=device)
+    return _cached_count(count, device)
 
 
 def merge_moments(
@@ -137,7 +156,7 @@ def merge_moments(
     ``mean`` and ``var`` have S entries (any shape, any float dtype).  Each group costs one
     all-gather of ``1 + 2 * S`` float64 values; the merge is Chan's formula on those few values.
     """
-    total = torch.full((1,), float(count), dtype=torch.float64, device=mean.device)
+    total = _count(count, mean.device)
     mean, var = mean.reshape(-1), var.reshape(-1)
     if not groups:  # statistics of the slab alone (e.g. to be averaged over a split batch): float64 all the same
         return total, mean.double(), var.double()

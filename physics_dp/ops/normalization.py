@@ -74,9 +74,9 @@ class _StatLayout:
         var = rstd.double().pow(-2).view(n, -1)
         if self.per_sample or n == 1:  # a row is a (sample, group), or a channel of the one sample
             return count, mean.view(n, -1), var, local
-        mean_nc = mean.view(n, c).double()  # a row is a (sample, channel): the mean of the samples' moments
-        merged = mean_nc.mean(0, keepdim=True)
-        return count, merged, (mean_nc - merged).square_().add_(var).mean(0, keepdim=True), local
+        # a row is a (sample, channel): the samples' moments merged (equal counts), in float64
+        spread, merged = torch.var_mean(mean.view(n, c).double(), 0, correction=0, keepdim=True)
+        return count, merged, spread.add_(var.mean(0, keepdim=True)), local
 
     def expanded(self, per_stat: torch.Tensor, n: int, channels: int, dtype: torch.dtype, parts: int = 1) -> torch.Tensor:
         """A (N or 1, groups, 1 or channels per group) coefficient as the (N * C * parts,) vector
@@ -239,17 +239,24 @@ class _ChannelNorm(torch.autograd.Function):
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             # g = dL/dxhat = w * dy; dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) = scale * dy + beta * x + gamma
-            sum_g, sum_g_xmu = (sums if weight is None else sums * weight.view(per_group)).sum(-1, keepdim=True)
-            rstd_over_n = rstd / total
-            beta = (rstd_over_n * sum_g_xmu).mul_(rstd.square()).neg_()
-            gamma = torch.addcmul(rstd_over_n * sum_g, beta, mean).neg_()
+            # with k = -rstd / n: beta = k * rstd^2 * sum(g * (x - mean)), gamma = k * sum(g) - beta * mean
+            weighted = sums if weight is None else sums * weight.view(per_group)
+            k_sum_g, k_sum_g_xmu = weighted.sum(-1, keepdim=True) * (rstd / -total)
+            beta = k_sum_g_xmu * rstd.square()
+            gamma = torch.addcmul(k_sum_g, beta, mean, value=-1)
             grad_x = _scale_shift(x3, beta, gamma, layout)
             grad_x.addcmul_(grad, layout.expanded(scale, n, channels, grad.dtype).view(n, channels, 1))
         if weight is not None and ctx.needs_input_grad[1]:
-            grad_weight = (sums[1] * rstd).sum(0).view(-1).to(weight.dtype)  # sum of dy * xhat
+            grad_weight = _over_samples(sums[1] * rstd).view(-1).to(weight.dtype)  # sum of dy * xhat
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = sums[0].sum(0).view(-1).to(grad.dtype)
+            grad_bias = _over_samples(sums[0]).view(-1).to(grad.dtype)
         return grad_x, grad_weight, grad_bias, None, None, None
+
+
+def _over_samples(per_stat: torch.Tensor) -> torch.Tensor:
+    """The sum over dim 0 (samples) of per-statistic values; a view where there is one (batch
+    statistics, a rank's single sample), not a copy kernel."""
+    return per_stat[0] if per_stat.shape[0] == 1 else per_stat.sum(0)
 
 
 def _channel_norm(
@@ -323,8 +330,9 @@ class _NormalizeGlobally(torch.autograd.Function):
         sums = _row_sums(grad_rows, xhat_rows, zeros)
         for group in ctx.groups:
             sums = collectives.all_reduce(sums, "sum", group)
-        mean_grad, mean_grad_xhat = (sums / count).view(2, 1, -1, 1)
-        grad_x = _scale_shift(xhat_rows, (rstd * mean_grad_xhat).neg_(), (rstd * mean_grad).neg_(), layout)
+        # dx = rstd * (dy - mean(dy) - xhat * mean(dy * xhat)): its shift and xhat's coefficient, per row
+        shift, xhat_coefficient = sums.view(2, 1, -1, 1) * (rstd / -count)
+        grad_x = _scale_shift(xhat_rows, xhat_coefficient, shift, layout)
         grad_x = grad_x.addcmul_(grad_rows, rstd.to(grad.dtype)).view(grad.shape)
         return grad_x.to(slab.dtype), None, None, None
 
@@ -417,12 +425,12 @@ def _update_running(
     count: int,
     momentum: float,
 ) -> None:
-    """torch's running update: the variance uses the unbiased correction with the global count."""
+    """torch's running update, one ``lerp_`` each: the variance uses the unbiased correction with the global count."""
     if running_mean is not None:
-        running_mean.mul_(1 - momentum).add_(mean.reshape(-1).to(running_mean.dtype), alpha=momentum)
+        running_mean.lerp_(mean.reshape(-1).to(running_mean.dtype), momentum)
     if running_var is not None:
         unbiased = var.reshape(-1) * (count / max(count - 1, 1))
-        running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+        running_var.lerp_(unbiased.to(running_var.dtype), momentum)
 
 
 def _verify_values_per_channel(count: int, what: str, shape: torch.Size) -> None:
