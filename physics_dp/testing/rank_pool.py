@@ -14,6 +14,11 @@ OpenMP threads would be broken by fork. Set PHYSICS_DP_RANK_POOL_START=spawn to 
 Why it kills instead of waiting: a rank that raises leaves its peers blocked in a collective
 forever. The pool gives the survivors a short grace period, dumps the stacks of the ones still
 stuck, kills every worker and reports all of it; the next call starts a fresh pool.
+
+Why workers write to files: a worker's stdout and stderr (file descriptors 1 and 2, so C++ too)
+go to one file per rank. What a task wrote is copied to the caller's stderr after the task, with
+the rank in front of each line, so pytest shows it with the test that wrote it; a native crash's
+own words (``terminate called after throwing ...``) come back in the failure's message.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from typing import Any
 STARTUP_TIMEOUT_S = 180.0
 FAILURE_GRACE_S = 2.5
 STACK_DUMP_WAIT_S = 1.0
+OUTPUT_TAIL_CHARS = 6000  # of a failed rank's output, in the failure's message
 WORKER_PG_TIMEOUT_S = 300.0
 
 _PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
@@ -130,6 +136,7 @@ class _RankPool:
         self.stack_dir = tempfile.mkdtemp(prefix=f"physics_dp_ranks{world_size}_")
         self.processes: list = []
         self.conns: list[Connection] = []
+        self._output_read = [0] * world_size  # bytes of each rank's output file already passed on
         self._sent_sys_path: list[str] = list(sys.path)
         self._start()
 
@@ -141,7 +148,7 @@ class _RankPool:
                 parent_end, child_end = ctx.Pipe(duplex=True)
                 process = ctx.Process(
                     target=_worker_main,
-                    args=(rank, self.world_size, port, child_end, self._stack_file(rank)),
+                    args=(rank, self.world_size, port, child_end, self._stack_file(rank), self._output_file(rank)),
                     name=f"physics_dp-rank{rank}of{self.world_size}",
                     daemon=False,  # rank functions may start their own children (data loader workers)
                 )
@@ -153,9 +160,34 @@ class _RankPool:
         _, errors, stuck = self._collect(STARTUP_TIMEOUT_S, set(range(self.world_size)))
         if errors or stuck:
             self._fail(errors, stuck, f"starting a pool of {self.world_size} ranks", STARTUP_TIMEOUT_S)
+        self._pass_on_output()
 
     def _stack_file(self, rank: int) -> str:
         return os.path.join(self.stack_dir, f"rank{rank}.stacks")
+
+    def _output_file(self, rank: int) -> str:
+        return os.path.join(self.stack_dir, f"rank{rank}.output")
+
+    def _new_output(self) -> dict[int, str]:
+        """What each rank wrote since the last call (ranks that wrote nothing are left out)."""
+        written: dict[int, str] = {}
+        for rank in range(self.world_size):
+            try:
+                with open(self._output_file(rank), "rb") as handle:
+                    handle.seek(self._output_read[rank])
+                    data = handle.read()
+            except FileNotFoundError:
+                continue
+            self._output_read[rank] += len(data)
+            if data:
+                written[rank] = data.decode(errors="replace")
+        return written
+
+    def _pass_on_output(self) -> None:
+        for rank, text in self._new_output().items():
+            sys.stderr.write("".join(f"[rank {rank}] {line}" for line in text.splitlines(keepends=True)))
+            if not text.endswith("\n"):
+                sys.stderr.write("\n")
 
     def run(self, payload: bytes, timeout: float) -> list:
         path = list(sys.path)
@@ -173,6 +205,7 @@ class _RankPool:
         errors.update(late_errors)
         if errors or stuck:
             self._fail(errors, stuck, "running the task", timeout)
+        self._pass_on_output()
         return [answers[rank] for rank in range(self.world_size)]
 
     def _collect(
@@ -216,11 +249,12 @@ class _RankPool:
                 with open(self._stack_file(rank)) as handle:
                     crash = handle.read().strip()
             except FileNotFoundError:
-                crash = "(it died before it could record stacks: see its stderr above)"
+                crash = "(it died before it could record stacks)"
             return False, f"{message}\n{crash}" if crash else message
 
     def _fail(self, errors: dict[int, str], stuck: list[int], what: str, timeout: float) -> None:
         stacks = self._dump_stacks(stuck)
+        output = self._new_output()  # before kill(), which deletes the files
         self.kill()
         lines = [f"{what} on {self.world_size} ranks failed"]
         if errors:
@@ -232,6 +266,10 @@ class _RankPool:
             lines.append(f"\n----- rank {rank} -----\n{errors[rank].rstrip()}")
         for rank in sorted(stacks):
             lines.append(f"\n----- rank {rank} stacks when killed -----\n{stacks[rank].rstrip()}")
+        for rank in sorted(output):
+            tail = output[rank][-OUTPUT_TAIL_CHARS:]
+            cut = " (its end)" if len(tail) < len(output[rank]) else ""
+            lines.append(f"\n----- rank {rank} stdout and stderr during the task{cut} -----\n{tail.rstrip()}")
         raise RankFailure("\n".join(lines), errors, stuck, stacks)
 
     def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
@@ -316,8 +354,9 @@ def _patched_environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def _worker_main(rank: int, world_size: int, port: int, conn: Connection, stack_file: str) -> None:
+def _worker_main(rank: int, world_size: int, port: int, conn: Connection, stack_file: str, output_file: str) -> None:
     """Entry point of one rank: join the process group once, then serve tasks until told to stop."""
+    _write_output_to(output_file)
     stacks = open(stack_file, "w")  # kept open: faulthandler writes to its descriptor on SIGUSR1
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
@@ -351,6 +390,17 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Connection, stack_
             break
         conn.send_bytes(_serve(message))
     DistributedManager().cleanup()
+
+
+def _write_output_to(path: str) -> None:
+    """Point file descriptors 1 and 2 at ``path``: Python's prints and warnings and C++'s messages alike."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(descriptor, 1)
+    os.dup2(descriptor, 2)
+    os.close(descriptor)
+    sys.stdout.reconfigure(line_buffering=True)  # a crash must not lose lines waiting in a buffer
 
 
 def _serve(message: tuple[list[str] | None, bytes]) -> bytes:

@@ -142,6 +142,36 @@ def test_crashed_worker_is_reported_with_its_stack() -> None:
     assert "_rank1_crashes" in message  # the frame where it crashed
 
 
+def _rank1_aborts_after_native_words() -> None:
+    if dist.get_rank() == 1:
+        os.write(2, b"terminate called: the words a C++ crash leaves on stderr\n")  # no Python buffer involved
+        os.abort()
+    dist.barrier()
+
+
+def test_native_crash_message_is_reported() -> None:
+    with pytest.raises(RankFailure) as info:
+        run_on_ranks(2, _rank1_aborts_after_native_words)
+    message = str(info.value)
+    assert "rank 1 stdout and stderr during the task" in message, message
+    assert "the words a C++ crash leaves on stderr" in message, message
+    assert "exit code -6" in info.value.errors[1]
+
+
+def _prints_and_warns() -> None:
+    print(f"printed on {dist.get_rank()}")
+    sys.stderr.write(f"warned on {dist.get_rank()}\n")
+
+
+def test_output_of_a_task_reaches_the_caller_with_its_rank(capsys) -> None:
+    run_on_ranks(2, _prints_and_warns)
+    err = capsys.readouterr().err
+    for rank in range(2):
+        assert f"[rank {rank}] printed on {rank}\n" in err and f"[rank {rank}] warned on {rank}\n" in err, err
+    run_on_ranks(2, _rank_report, 0.0)
+    assert capsys.readouterr().err == ""  # passed on once, not again with the next task
+
+
 def test_unpicklable_function_is_rejected_in_the_caller() -> None:
     with pytest.raises(TypeError, match="module-level function"):
         run_on_ranks(2, lambda: None)
