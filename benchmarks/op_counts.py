@@ -35,7 +35,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rank_processes import run_ranks  # noqa: E402
 
 SHAPE = (2, 32, 16, 24)  # global (N, C, H, W), split on H
-_NO_KERNEL = {torch.ops.aten._unsafe_view.default, torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default}
+_NO_KERNEL = {  # allocations: memory, no kernel
+    torch.ops.aten._unsafe_view.default, torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+    torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default, torch.ops.aten.new_empty_strided.default,
+}
 
 
 class _OpCounter(TorchDispatchMode):

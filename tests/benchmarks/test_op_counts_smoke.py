@@ -30,6 +30,8 @@ def test_views_and_allocations_are_not_kernels() -> None:
     x = torch.ones(4, 4)
     with counter:
         y = x.view(16).unsqueeze(0)  # two views
-        torch.empty(3)  # an allocation
+        torch.empty(3)  # allocations
+        x.new_empty(2)
+        torch.empty_like(x)
         y * 2.0  # one kernel
-    assert (counter.kernels, counter.calls) == (1, 4)
+    assert (counter.kernels, counter.calls) == (1, 6)
