@@ -24,6 +24,10 @@ bytes.  A rank owns the rows from the centre of its first position's window on, 
 an unfold's output gets back the unfold's split wherever the split's boundaries are window
 centres (always at stride 1, and for patches (stride = kernel) cut at whole patches, which then
 send nothing).
+
+A 'same' stencil of stride 1 along the one split spatial dim (3 x 3 with padding 1, the usual case)
+takes :mod:`.halo_unfold` instead, both ways: torch's im2col and col2im on the slab itself, with
+strips for the boundary positions, so neither copies the slab.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from ._args import bind, per_dim, single_device_shape
 from ._local import local_input, sharded_axes, wrap_local_as
 from .conv import check_stencil_layout, conv_output_split, conv_windows, window_inside
 from .halo import Window, scatter_window
+from .halo_unfold import HaloUnfoldGeometry, halo_fold, halo_unfold, halo_unfold_geometry
 from .indexing import axis_splitting
 from .pooling import DimSplit, Stencil, dim_split, drop_filler, fill_outside, gather_inside, output_axis_sizes, stencil_splits
 from .views import view_spec_in_place
@@ -71,12 +76,29 @@ def _unfold_local(local: torch.Tensor, x: ShardTensor, stencils: list[Stencil]) 
         cols = F.unfold(local, kernel, dilation, tuple(s.padding for s in stencils), stride)
         grid = tuple(_positions(local.shape[d], s) for d, s in zip(spatial, stencils))
         return cols.unflatten(-1, grid), list(x._spec.axis_sizes)
+    halo = _halo_geometry(x._spec, stencils, x.ndim - 2)
+    if halo is not None:  # a 'same' stencil along one split dim: no copy of the slab (:mod:`.halo_unfold`)
+        geometry, axis = halo
+        cols = halo_unfold(local, geometry, x.device_mesh.get_group(axis))
+        return cols.unflatten(-1, geometry.grid(local.shape[-2:], geometry.padding)), list(x._spec.axis_sizes)
     out_grid = torch.Size((*x.shape[:-2], *(_positions(x.shape[d], s) for d, s in zip(spatial, stencils))))
     splits = stencil_splits(x, out_grid, stencils)
     window = fill_outside(gather_inside(local, x, splits), splits, stencils, 0.0)
     cols = F.unfold(window, kernel, dilation, 0, stride)
     grid = tuple((window.shape[d] - s.span) // s.stride + 1 for d, s in zip(spatial, stencils))
     return drop_filler(cols.unflatten(-1, grid), splits), output_axis_sizes(x, splits)
+
+
+def _halo_geometry(spec: ShardTensorSpec, stencils: list[Stencil], first_spatial: int) -> tuple[HaloUnfoldGeometry, int] | None:
+    """(geometry, mesh axis) where one mesh axis alone splits the spatial dims (tensor dims from
+    ``first_spatial``) and :func:`.halo_unfold.halo_unfold_geometry` accepts the stencil, else None."""
+    shards = [(axis, p.dim) for axis, p in enumerate(spec.placements) if type(p) is Shard and p.dim >= first_spatial]
+    if len(shards) != 1:
+        return None
+    axis, dim = shards[0]
+    kernel, dilation, padding, stride = (tuple(getattr(s, name) for s in stencils) for name in ("kernel", "dilation", "padding", "stride"))
+    geometry = halo_unfold_geometry(dim - first_spatial, spec.axis_sizes[axis], spec.coordinate()[axis], kernel, dilation, padding, stride)
+    return None if geometry is None else (geometry, axis)
 
 
 def _unfold(*args: Any, **kwargs: Any) -> ShardTensor:
@@ -161,6 +183,25 @@ def _fold(*args: Any, **kwargs: Any) -> ShardTensor:
     lead = cols.ndim - 2  # 1 with a batch dim
     grid = tuple(_positions(e, s) for e, s in zip(extents, stencils))
     local, spec = _positions_as_blocks(cols, lead, taps, grid)
+    halo = _halo_geometry(spec, stencils, lead + 2)
+    if halo is not None:  # a 'same' stencil along one split dim: the rows' split is the positions' (:mod:`.halo_unfold`)
+        geometry, axis = halo
+        rows = list(extents)
+        rows[geometry.sharded] = local.shape[lead + 2 + geometry.sharded]
+        window = halo_fold(local.flatten(lead, lead + 1).flatten(-2), tuple(rows), geometry, spec.mesh.get_group(axis))
+        axis_sizes = list(spec.axis_sizes)
+    else:
+        window, axis_sizes = _fold_through_windows(local, lead, stencils, extents, spec)
+    placements = [Shard(p.dim - (p.dim > lead)) if type(p) is Shard else p for p in spec.placements]
+    out = ShardTensorSpec(spec.mesh, placements, (*cols.shape[:lead], cols.shape[lead] // taps, *extents), axis_sizes)
+    return wrap_local_as(window, out)
+
+
+def _fold_through_windows(
+    local: torch.Tensor, lead: int, stencils: list[Stencil], extents: tuple[int, ...], spec: ShardTensorSpec
+) -> tuple[torch.Tensor, list]:
+    """Any geometry: fold into the rows the positions' windows cover, then send the rows beyond the
+    rank's own to their owners.  (This rank's rows, the rows' split per mesh axis.)"""
     axis_of = {p.dim - lead - 2: axis for axis, p in enumerate(spec.placements) if type(p) is Shard and p.dim >= lead + 2}
     me = {i: spec.coordinate()[axis] for i, axis in axis_of.items()}
     windows = {i: _fold_windows(spec.axis_sizes[axis], stencils[i]) for i, axis in axis_of.items()}
@@ -175,9 +216,7 @@ def _fold(*args: Any, **kwargs: Any) -> ShardTensor:
         axis = axis_of[i]
         axis_sizes[axis] = _owned_rows(spec.axis_sizes[axis], stencils[i], extents[i])
         window = scatter_window(window, lead + 1 + i, axis_sizes[axis], inside[i], group=spec.mesh.get_group(axis))
-    placements = [Shard(p.dim - (p.dim > lead)) if type(p) is Shard else p for p in spec.placements]
-    out = ShardTensorSpec(spec.mesh, placements, (*cols.shape[:lead], cols.shape[lead] // taps, *extents), axis_sizes)
-    return wrap_local_as(window, out)
+    return window, axis_sizes
 
 
 # ----- Tensor.unfold: sliding windows along one dim --------------------------------------------

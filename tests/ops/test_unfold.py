@@ -7,13 +7,16 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from physics_dp.distributed.collectives import count_communication
+from physics_dp.ops.halo_unfold import halo_unfold_geometry
 from physics_dp.shard_tensor import Shard, distribute_tensor
 from physics_dp.shard_tensor.placements import StridedShard
 from physics_dp.testing import get_mesh, run_on_ranks
+from physics_dp.testing.compare import assert_sharded_matches
 
 from .test_shape_ops import LAYOUTS, check_family, randn, world_of
 
@@ -117,6 +120,52 @@ def test_fold_returns_the_unfold_split_and_sends_only_overlapping_rows(mesh_shap
     even = None if sizes is None else {0: [8, 8]}
     for same_spec, forward, backward in run_on_ranks(world, _fold_traffic, mesh_shape, dims, even, 2, 0, 2):
         assert same_spec and (forward, backward) == (0, 0)
+
+
+# ----- the halo path: stride 1 and 'same' padding along the one split dim ----------------------------
+HALO_FAMILY: dict[str, Callable] = {
+    "unfold(3, padding=1), strided along the whole dim": lambda x: F.unfold(x, 3, padding=1, stride=(1, 2)),
+    "unfold((5, 5), dilation 2, padding 4) * 2": lambda x: F.unfold(x, 5, dilation=2, padding=4) * 2,
+    "unfold((1, 3), padding=(0, 1)): no halo along H": lambda x: F.unfold(x, (1, 3), padding=(0, 1)),
+    "fold(unfold((5, 5), padding 2) squared)": lambda x: F.fold(F.unfold(x, 5, padding=2).square(), x.shape[-2:], 5, padding=2),
+    "its gradient, differentiated again": lambda x: torch.autograd.grad(
+        F.fold(F.unfold(x, 3, padding=1).square(), x.shape[-2:], 3, padding=1).square().sum(), x, create_graph=True
+    )[0],
+}
+HALO_CASES = {  # (world, split dim, global (N, C, H, W), sizes of the split dim or None for balanced)
+    "2 ranks on H, uneven": (2, 2, (2, 3, 17, 9), [9, 8]),
+    "3 ranks on H": (3, 2, (1, 2, 24, 7), None),
+    "2 ranks on W": (2, 3, (1, 3, 7, 18), None),
+    "3 ranks on W, uneven": (3, 3, (2, 2, 6, 26), [8, 8, 10]),
+}
+
+
+def _check_halo_family(dim: int, shape: tuple[int, ...], sizes: list[int] | None) -> list[str]:
+    mesh = get_mesh((dist.get_world_size(),))
+    x = randn(shape)
+    for fn in HALO_FAMILY.values():
+        assert_sharded_matches(fn, [x], mesh, [[Shard(dim)]], sharding_sizes=[None if sizes is None else {0: sizes}])
+    return list(HALO_FAMILY)
+
+
+@pytest.mark.parametrize("case", sorted(HALO_CASES))
+def test_halo_path_matches_single_device(case: str) -> None:
+    """Every shard holds the 2 p rows the path needs (p = 4 for the dilated 5 x 5), so each case takes it."""
+    world, dim, shape, sizes = HALO_CASES[case]
+    extent = shape[dim]
+    split = sizes or [extent // world + (r < extent % world) for r in range(world)]
+    assert min(split) >= 8 and halo_unfold_geometry(dim - 2, split, 0, (5, 5), (2, 2), (4, 4), (1, 1)) is not None
+    assert run_on_ranks(world, _check_halo_family, dim, shape, sizes)[0] == list(HALO_FAMILY)
+
+
+def test_halo_path_takes_only_same_stride_one_stencils_on_wide_enough_shards() -> None:
+    take = halo_unfold_geometry(0, [4, 4], 1, (3, 3), (1, 1), (1, 1), (1, 1))
+    assert take is not None and (take.has_prev, take.has_next, take.halo) == (True, False, 1)
+    assert halo_unfold_geometry(0, [4, 4], 0, (3, 3), (1, 1), (1, 1), (2, 1)) is None  # stride 2 along the split
+    assert halo_unfold_geometry(0, [4, 4], 0, (3, 3), (1, 1), (0, 1), (1, 1)) is None  # not 'same'
+    assert halo_unfold_geometry(0, [4, 1], 0, (3, 3), (1, 1), (1, 1), (1, 1)) is None  # a shard thinner than 2 p
+    assert halo_unfold_geometry(1, [4, 4], 0, (3, 3), (1, 1), (1, 0), (2, 1)) is None  # W split, not 'same' along W
+    assert halo_unfold_geometry(0, [1, 1], 0, (1, 3), (1, 1), (0, 1), (1, 5)) is not None  # no halo along H
 
 
 # ----- Tensor.unfold: sliding windows along one dim ------------------------------------------------

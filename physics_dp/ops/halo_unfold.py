@@ -1,0 +1,158 @@
+"""``F.unfold`` and ``F.fold`` of a 'same' stencil along one sharded dim, without copying the slab.
+
+With stride 1 and zero padding ``p = dilation * (kernel - 1) / 2`` along the sharded dim, a rank's
+output positions are its own rows (the split the general path in :mod:`.unfold` gives it), and
+torch's im2col with that padding, run on the slab alone, yields every position but the first and
+last ``p``: those read the neighbours' rows, for which the zero padding stood in.  They are
+recomputed from a strip of ``3 p`` rows (the neighbour's ``p`` and the slab's ``2 p`` nearest) and
+written over.  So the slab is read once, as on one device, where the general path first copies it
+twice (the window with its halo, then the zero padding).
+
+fold (col2im) is unfold's adjoint, and each is the other's backward.  col2im with the padding, on
+this rank's positions, drops what its boundary positions add to the rows beyond the slab; a strip
+col2im of those positions computes that, it travels to the neighbour, who adds it to its edge rows.
+
+Eligible (:func:`halo_unfold_geometry`): one mesh axis splits a spatial dim, stride 1 and 'same'
+padding along it, and every shard at least ``max(2 p, 1)`` rows (a strip then lies within the rank
+and one neighbour).  Everything else takes the general path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.distributed import ProcessGroup
+
+from .halo import exchange_boundary_rows, received_rows, start_edge_exchange, with_extent
+
+__all__ = ["HaloUnfoldGeometry", "halo_unfold_geometry", "halo_unfold", "halo_fold"]
+
+
+@dataclass(frozen=True)
+class HaloUnfoldGeometry:
+    """The stencil per spatial dim, which of the two is sharded, and which neighbours this rank has."""
+
+    sharded: int  # 0: the first spatial dim (H), 1: the second (W)
+    kernel: tuple[int, ...]
+    dilation: tuple[int, ...]
+    padding: tuple[int, ...]
+    stride: tuple[int, ...]  # 1 along the sharded dim
+    has_prev: bool
+    has_next: bool
+
+    @property
+    def halo(self) -> int:
+        """Rows a boundary position reaches beyond the slab: the padding along the sharded dim."""
+        return self.padding[self.sharded]
+
+    def strip_padding(self) -> tuple[int, ...]:
+        """A strip holds its rows along the sharded dim: padding only along the other spatial dim."""
+        return tuple(0 if i == self.sharded else p for i, p in enumerate(self.padding))
+
+    def grid(self, extents: Sequence[int], padding: Sequence[int]) -> tuple[int, ...]:
+        """Positions per spatial dim of an unfold of ``extents`` with this stencil and ``padding``."""
+        return tuple(
+            (extent + 2 * pad - dil * (k - 1) - 1) // step + 1
+            for extent, pad, dil, k, step in zip(extents, padding, self.dilation, self.kernel, self.stride)
+        )
+
+
+def halo_unfold_geometry(
+    sharded: int, sizes: Sequence[int], me: int, kernel, dilation, padding, stride
+) -> HaloUnfoldGeometry | None:
+    """The geometry where the fast path applies (``sizes``: the sharded dim's split), else None."""
+    k, d, p, s = kernel[sharded], dilation[sharded], padding[sharded], stride[sharded]
+    if s != 1 or 2 * p != d * (k - 1) or min(sizes) < max(2 * p, 1):
+        return None
+    return HaloUnfoldGeometry(sharded, tuple(kernel), tuple(dilation), tuple(padding), tuple(stride), me > 0, me < len(sizes) - 1)
+
+
+def _unfold_with_halos(local: torch.Tensor, geometry: HaloUnfoldGeometry, group: ProcessGroup) -> torch.Tensor:
+    """This rank's positions (…, C K, ho wo): im2col of the slab, its boundary positions recomputed from strips."""
+    dim, p = local.ndim - 2 + geometry.sharded, geometry.halo
+    rows_prev, rows_next = p if geometry.has_prev else 0, p if geometry.has_next else 0
+    pending = exchange_boundary_rows(local, dim, group, rows_prev, rows_next, rows_prev, rows_next) if p else None
+    cols = F.unfold(local, geometry.kernel, geometry.dilation, geometry.padding, geometry.stride)
+    if pending is None:
+        return cols
+    from_prev, from_next = received_rows(pending, group)
+    positions = cols.unflatten(-1, geometry.grid(local.shape[-2:], geometry.padding))
+    extent = local.shape[dim]
+    for halo, first, strip in (
+        (from_prev, 0, None if from_prev is None else torch.cat((from_prev, local.narrow(dim, 0, 2 * p)), dim)),
+        (from_next, extent - p, None if from_next is None else torch.cat((local.narrow(dim, extent - 2 * p, 2 * p), from_next), dim)),
+    ):
+        if halo is None:
+            continue
+        strip_cols = F.unfold(strip, geometry.kernel, geometry.dilation, geometry.strip_padding(), geometry.stride)
+        positions.narrow(dim, first, p).copy_(strip_cols.unflatten(-1, geometry.grid(strip.shape[-2:], geometry.strip_padding())))
+    return cols
+
+
+def _fold_with_halos(
+    cols: torch.Tensor, extents: tuple[int, int], geometry: HaloUnfoldGeometry, group: ProcessGroup
+) -> torch.Tensor:
+    """col2im of this rank's positions into its rows (``extents``), with what the neighbours' boundary positions add to its edge rows."""
+    out = F.fold(cols, extents, geometry.kernel, geometry.dilation, geometry.padding, geometry.stride)
+    p = geometry.halo
+    if not p or not (geometry.has_prev or geometry.has_next):
+        return out
+    dim = out.ndim - 2 + geometry.sharded
+    extent = out.shape[dim]
+    positions = cols.unflatten(-1, geometry.grid(extents, geometry.padding))
+    strip_extents = list(extents)
+    strip_extents[geometry.sharded] = 3 * p
+
+    def beyond(first: int, keep: int) -> torch.Tensor:
+        """What positions ``first .. first + p`` add to the ``p`` rows from strip row ``keep`` (outside the slab)."""
+        strip = positions.narrow(dim, first, p).flatten(-2)
+        folded = F.fold(strip, strip_extents, geometry.kernel, geometry.dilation, geometry.strip_padding(), geometry.stride)
+        return folded.narrow(dim, keep, p)
+
+    to_prev = beyond(0, 0) if geometry.has_prev else None
+    to_next = beyond(extent - p, 2 * p) if geometry.has_next else None
+    count_prev, count_next = p if geometry.has_prev else 0, p if geometry.has_next else 0
+    pending = start_edge_exchange(to_prev, to_next, with_extent(out.shape, dim, p), count_prev, count_next, dim, group, out)
+    from_prev, from_next = received_rows(pending, group)
+    if from_prev is not None:
+        out.narrow(dim, 0, p).add_(from_prev)
+    if from_next is not None:
+        out.narrow(dim, extent - p, p).add_(from_next)
+    return out
+
+
+class _HaloUnfold(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, geometry: HaloUnfoldGeometry, group: ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.geometry, ctx.group, ctx.extents = geometry, group, tuple(local.shape[-2:])
+        return _unfold_with_halos(local, geometry, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return _HaloFold.apply(grad.contiguous(), ctx.extents, ctx.geometry, ctx.group), None, None
+
+
+class _HaloFold(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, cols: torch.Tensor, extents: tuple[int, int], geometry: HaloUnfoldGeometry, group: ProcessGroup
+    ) -> torch.Tensor:
+        ctx.geometry, ctx.group = geometry, group
+        return _fold_with_halos(cols, extents, geometry, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return _HaloUnfold.apply(grad.contiguous(), ctx.geometry, ctx.group), None, None, None
+
+
+def halo_unfold(local: torch.Tensor, geometry: HaloUnfoldGeometry, group: ProcessGroup) -> torch.Tensor:
+    """``F.unfold`` of the global tensor, this rank's positions (…, C K, ho wo), from its slab (…, C, H, W)."""
+    return _HaloUnfold.apply(local, geometry, group)
+
+
+def halo_fold(cols: torch.Tensor, extents: tuple[int, int], geometry: HaloUnfoldGeometry, group: ProcessGroup) -> torch.Tensor:
+    """``F.fold`` of the global positions, this rank's rows (…, C, ``extents``), from its positions (…, C K, ho wo)."""
+    return _HaloFold.apply(cols, extents, geometry, group)
