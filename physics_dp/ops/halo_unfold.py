@@ -61,9 +61,16 @@ class HaloUnfoldGeometry:
 
 
 def halo_unfold_geometry(
-    sharded: int, sizes: Sequence[int], me: int, kernel, dilation, padding, stride
+    sharded: int,
+    sizes: Sequence[int],
+    me: int,
+    kernel: Sequence[int],
+    dilation: Sequence[int],
+    padding: Sequence[int],
+    stride: Sequence[int],
 ) -> HaloUnfoldGeometry | None:
-    """The geometry where the fast path applies (``sizes``: the sharded dim's split), else None."""
+    """This rank's geometry (``sizes``: the split of spatial dim ``sharded``, ``me``: this rank's place
+    in it; the stencil per spatial dim) where the path applies, else None."""
     k, d, p, s = kernel[sharded], dilation[sharded], padding[sharded], stride[sharded]
     if s != 1 or 2 * p != d * (k - 1) or min(sizes) < max(2 * p, 1):
         return None
@@ -81,15 +88,18 @@ def _unfold_with_halos(local: torch.Tensor, geometry: HaloUnfoldGeometry, group:
     from_prev, from_next = received_rows(pending, group)
     positions = cols.unflatten(-1, geometry.grid(local.shape[-2:], geometry.padding))
     extent = local.shape[dim]
-    for halo, first, strip in (
-        (from_prev, 0, None if from_prev is None else torch.cat((from_prev, local.narrow(dim, 0, 2 * p)), dim)),
-        (from_next, extent - p, None if from_next is None else torch.cat((local.narrow(dim, extent - 2 * p, 2 * p), from_next), dim)),
-    ):
-        if halo is None:
-            continue
-        strip_cols = F.unfold(strip, geometry.kernel, geometry.dilation, geometry.strip_padding(), geometry.stride)
-        positions.narrow(dim, first, p).copy_(strip_cols.unflatten(-1, geometry.grid(strip.shape[-2:], geometry.strip_padding())))
+    if from_prev is not None:
+        _rewrite_positions(positions, 0, torch.cat((from_prev, local.narrow(dim, 0, 2 * p)), dim), dim, geometry)
+    if from_next is not None:
+        _rewrite_positions(positions, extent - p, torch.cat((local.narrow(dim, extent - 2 * p, 2 * p), from_next), dim), dim, geometry)
     return cols
+
+
+def _rewrite_positions(positions: torch.Tensor, first: int, strip: torch.Tensor, dim: int, geometry: HaloUnfoldGeometry) -> None:
+    """Overwrite positions ``first .. first + p`` with the unfold of ``strip``: the 3 p rows their windows read."""
+    padding = geometry.strip_padding()
+    cols = F.unfold(strip, geometry.kernel, geometry.dilation, padding, geometry.stride)
+    positions.narrow(dim, first, geometry.halo).copy_(cols.unflatten(-1, geometry.grid(strip.shape[-2:], padding)))
 
 
 def _fold_with_halos(
