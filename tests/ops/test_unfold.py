@@ -158,6 +158,36 @@ def test_halo_path_matches_single_device(case: str) -> None:
     assert run_on_ranks(world, _check_halo_family, dim, shape, sizes)[0] == list(HALO_FAMILY)
 
 
+def _ops_touching_slab_sized_tensors() -> list[str]:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+            out = func(*args, **(kwargs or {}))
+            big = isinstance(out, torch.Tensor) and out.device.type != "meta" and out.numel() >= 4 * 16 * 8  # a slab or more
+            if big and not func.is_view:  # (meta tensors: the argument checks at the global shape)
+                self.names.append(func.__name__)
+            return out
+
+    x = distribute_tensor(randn((1, 4, 32, 8)), get_mesh((2,)), [Shard(2)]).requires_grad_(True)
+    recorder = Recorder()
+    with recorder:
+        y = F.fold(F.unfold(x, 3, padding=1), (32, 8), 3, padding=1)
+        y.backward(torch.ones_like(y))
+    return recorder.names
+
+
+def test_a_same_stencil_copies_no_slab() -> None:
+    """unfold and fold of a 3 x 3 'same' stencil make no slab-sized tensor but torch's own: im2col and
+    col2im each way, and what autograd allocates (the output's cotangent, the input's gradient)."""
+    for names in run_on_ranks(2, _ops_touching_slab_sized_tensors):
+        assert sorted(names) == ["col2im.default", "col2im.default", "im2col.default", "im2col.default", "ones_like.default"], names
+
+
 def test_halo_path_takes_only_same_stride_one_stencils_on_wide_enough_shards() -> None:
     take = halo_unfold_geometry(0, [4, 4], 1, (3, 3), (1, 1), (1, 1), (1, 1))
     assert take is not None and (take.has_prev, take.has_next, take.halo) == (True, False, 1)
