@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from .halo import exchange_boundary_rows, received_rows, start_edge_exchange, with_extent
+from .pooling import Stencil
 
 __all__ = ["HaloUnfoldGeometry", "halo_unfold_geometry", "halo_unfold", "halo_fold"]
 
@@ -55,8 +56,8 @@ class HaloUnfoldGeometry:
     def grid(self, extents: Sequence[int], padding: Sequence[int]) -> tuple[int, ...]:
         """Positions per spatial dim of an unfold of ``extents`` with this stencil and ``padding``."""
         return tuple(
-            (extent + 2 * pad - dil * (k - 1) - 1) // step + 1
-            for extent, pad, dil, k, step in zip(extents, padding, self.dilation, self.kernel, self.stride)
+            Stencil(k, step, pad, dil).positions(extent)
+            for extent, k, step, pad, dil in zip(extents, self.kernel, self.stride, padding, self.dilation)
         )
 
 

@@ -203,6 +203,10 @@ class Stencil:
     def span(self) -> int:
         return self.dilation * (self.kernel - 1) + 1
 
+    def positions(self, extent: int) -> int:
+        """Output positions along a dim of ``extent`` rows, the padding included."""
+        return (extent + 2 * self.padding - self.span) // self.stride + 1
+
 
 def _stencils(kind: str, bound: dict[str, Any], nd: int) -> list[Stencil | None]:
     """Each pooled dim's stencil; None for every dim of an adaptive pool (:func:`adaptive_split`)."""

@@ -62,11 +62,6 @@ def _stencils(bound: dict[str, Any]) -> list[Stencil]:
     return [Stencil(*params) for params in zip(*(per_dim(bound[name], 2) for name in names))]
 
 
-def _positions(extent: int, stencil: Stencil) -> int:
-    """Output positions along a dim of ``extent`` rows (padding included in ``stencil``)."""
-    return (extent + 2 * stencil.padding - stencil.span) // stencil.stride + 1
-
-
 def _unfold_local(local: torch.Tensor, x: ShardTensor, stencils: list[Stencil]) -> tuple[torch.Tensor, list]:
     """This rank's blocks (…, C * K, ho, wo) and the split of every mesh axis over (…, Ho, Wo)."""
     kernel = tuple(s.kernel for s in stencils)
@@ -74,14 +69,14 @@ def _unfold_local(local: torch.Tensor, x: ShardTensor, stencils: list[Stencil]) 
     spatial = range(x.ndim - 2, x.ndim)
     if not any(dim in spatial for _, dim in sharded_axes(x)):
         cols = F.unfold(local, kernel, dilation, tuple(s.padding for s in stencils), stride)
-        grid = tuple(_positions(local.shape[d], s) for d, s in zip(spatial, stencils))
+        grid = tuple(s.positions(local.shape[d]) for d, s in zip(spatial, stencils))
         return cols.unflatten(-1, grid), list(x._spec.axis_sizes)
     halo = _halo_geometry(x._spec, stencils, x.ndim - 2)
     if halo is not None:  # a 'same' stencil along one split dim: no copy of the slab (:mod:`.halo_unfold`)
         geometry, axis = halo
         cols = halo_unfold(local, geometry, x.device_mesh.get_group(axis))
         return cols.unflatten(-1, geometry.grid(local.shape[-2:], geometry.padding)), list(x._spec.axis_sizes)
-    out_grid = torch.Size((*x.shape[:-2], *(_positions(x.shape[d], s) for d, s in zip(spatial, stencils))))
+    out_grid = torch.Size((*x.shape[:-2], *(s.positions(x.shape[d]) for d, s in zip(spatial, stencils))))
     splits = stencil_splits(x, out_grid, stencils)
     window = fill_outside(gather_inside(local, x, splits), splits, stencils, 0.0)
     cols = F.unfold(window, kernel, dilation, 0, stride)
@@ -110,7 +105,7 @@ def _unfold(*args: Any, **kwargs: Any) -> ShardTensor:
     blocks, axis_sizes = _unfold_local(local_input(x), x, stencils)
     channel = x.ndim - 3  # (N, C, H, W) or unbatched (C, H, W)
     taps = math.prod(s.kernel for s in stencils)
-    grid = tuple(_positions(x.shape[d], s) for d, s in zip(range(x.ndim - 2, x.ndim), stencils))
+    grid = tuple(s.positions(x.shape[d]) for d, s in zip(range(x.ndim - 2, x.ndim), stencils))
     placements = [Shard(p.dim + (p.dim > channel)) if type(p) is Shard else p for p in x.placements]
     spec = ShardTensorSpec(x.device_mesh, placements, (*x.shape[: channel + 1], taps, *grid), axis_sizes)
     flat = view_spec_in_place(spec, (*x.shape[:channel], x.shape[channel] * taps, math.prod(grid)))
@@ -181,7 +176,7 @@ def _fold(*args: Any, **kwargs: Any) -> ShardTensor:
     stencils, extents = _stencils(bound), per_dim(bound["output_size"], 2)
     taps = math.prod(s.kernel for s in stencils)
     lead = cols.ndim - 2  # 1 with a batch dim
-    grid = tuple(_positions(e, s) for e, s in zip(extents, stencils))
+    grid = tuple(s.positions(e) for e, s in zip(extents, stencils))
     local, spec = _positions_as_blocks(cols, lead, taps, grid)
     halo = _halo_geometry(spec, stencils, lead + 2)
     if halo is not None:  # a 'same' stencil along one split dim: the rows' split is the positions' (:mod:`.halo_unfold`)
