@@ -9,6 +9,15 @@ import pytest
 from physics_dp.testing.rank_pool import shutdown_pools
 
 
+@pytest.fixture(scope="session", autouse=True)
+def fused_cpu_kernels_built() -> None:
+    """Build the fused CPU norm kernels once, here, before rank processes need them (a first build
+    takes some 10-20 s, which a rank would otherwise spend inside a timed task)."""
+    from physics_dp.ops import fused_cpu
+
+    fused_cpu.build()
+
+
 @pytest.fixture(scope="module")
 def fresh_rank_processes():
     """Fresh rank processes for a module: after earlier tests tore down and re-created the process

@@ -1,9 +1,9 @@
 """Global moments (count, mean, variance) of sharded data: fused local kernels, a float64 merge of the few.
 
-Normalization takes its local statistics from torch's fused row-moments kernel (the one inside
-``native_group_norm``: one pass in the input's dtype, what torch's own normalization computes, and
-it writes the rows normalized locally, which the normalization rescales in place), because
-``torch.var`` on CPU is an order of magnitude slower on one thread.  The var/std
+Normalization takes its local statistics from a fused row-moments kernel (on the CPU
+:mod:`.fused_cpu`'s, one read of the rows; where that does not serve, the one inside
+``native_group_norm``, which also writes the rows normalized locally, for the normalization to
+rescale in place), because ``torch.var`` on CPU is an order of magnitude slower on one thread.  The var/std
 reductions must equal ``torch.var`` itself, so they use the slower exact path (a float64 sum for
 the mean, then ``torch.var``).  Only the per-statistic results, whose number is that of the
 statistics (e.g. N * groups) and never the grid size, are merged across ranks in float64 with
@@ -23,6 +23,7 @@ from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
 from ..distributed.tracing import is_tracing
+from . import fused_cpu
 
 __all__ = ["exact_local_moments", "merge_moments", "global_moments", "row_moments", "row_parts", "LOW_PRECISION"]
 
@@ -33,8 +34,9 @@ def row_moments(rows: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, 
     """Statistics of the rows of a (P, Q) tensor with Q > 0: (the rows normalized by their own
     statistics, (P, Q), or None; their means and 1 / std, (P,)), from one fused kernel.
 
-    On the CPU the group-norm kernel also writes the normalized rows, which normalization
-    rescales in place.  Eager CUDA takes synchronized batch norm's statistics kernel instead:
+    On the CPU the fused kernel of :mod:`.fused_cpu` reads the rows once and writes nothing (mean
+    and 1 / std in float64); where it does not serve, the group-norm kernel also writes the
+    normalized rows, which normalization rescales in place.  Eager CUDA takes synchronized batch norm's statistics kernel instead:
     there nothing rescales in place, and it reads the rows once and writes no slab-sized
     temporary; a few long rows are cut into parts (:func:`row_parts`) whose moments merge.
     eps = 0 makes rstd = var^-1/2 exactly as computed: inf for a constant row (whose
@@ -47,6 +49,8 @@ def row_moments(rows: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, 
         mean, rstd = torch.batch_norm_stats(rows.view(1, p * parts, q // parts), 0.0)
         rstd.masked_fill_(rstd == 0, math.inf)  # the kernel gives 0 for a constant row (var 0, eps 0)
         return None, *(merge_equal_parts(mean.view(p, parts), rstd.view(p, parts)) if parts > 1 else (mean, rstd))
+    if fused_cpu.usable(rows):
+        return None, *fused_cpu.row_moments(rows.view(p, q))
     normalized, mean, rstd = torch.native_group_norm(rows, None, None, 1, p, q, p, 0.0)
     return normalized.view(p, q), mean.view(p), rstd.view(p)
 

@@ -35,6 +35,7 @@ from ..distributed import collectives
 from ..distributed.tracing import is_tracing
 from ..shard_tensor import Replicate, ShardTensor
 from ..shard_tensor.dispatch import run_default
+from . import fused_cpu
 from .autocast import fp32_where_autocast_does
 from ._local import (
     ShardedOpError, data_axes, groups_over, groups_spanning, local_input, local_param, sharded_axes, wrap_local, wrap_local_as,
@@ -155,6 +156,25 @@ def _scale_shift(
     return x3
 
 
+def _dy_and_x_terms(
+    grad: torch.Tensor, x3: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, layout: _StatLayout
+) -> torch.Tensor:
+    """a * grad + b * x3 + c for (N, C, L) tensors and per-statistic coefficients (see :meth:`_StatLayout.expanded`).
+
+    One pass where :mod:`.fused_cpu`'s kernel serves; else two: ``x3 * b + c`` into a new tensor
+    (:func:`_scale_shift`), then ``addcmul_`` of ``a * grad`` (no stock CPU kernel reads three tensors).
+    """
+    n, channels, length = x3.shape
+    if x3.numel() == 0:  # an empty shard (it may hold no statistic at all)
+        return torch.empty_like(x3)
+    if fused_cpu.usable(grad, x3):
+        a, b, c = (layout.expanded(k, n, channels, x3.dtype) for k in (a, b, c))
+        rows = (n * channels, length)
+        return fused_cpu.two_term_affine(grad.view(rows), x3.view(rows), a, b, c).view(n, channels, length)
+    out = _scale_shift(x3, b, c, layout)
+    return out.addcmul_(grad, layout.expanded(a, n, channels, grad.dtype).view(n, channels, 1))
+
+
 def _row_sums(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
     """Per channel of the (N, C, L) tensors: the sums of dy and of dy * (x - mean), stacked (2, C), float64.
 
@@ -244,8 +264,7 @@ class _ChannelNorm(torch.autograd.Function):
             k_sum_g, k_sum_g_xmu = weighted.sum(-1, keepdim=True) * (rstd / -total)
             beta = k_sum_g_xmu * rstd.square()
             gamma = torch.addcmul(k_sum_g, beta, mean, value=-1)
-            grad_x = _scale_shift(x3, beta, gamma, layout)
-            grad_x.addcmul_(grad, layout.expanded(scale, n, channels, grad.dtype).view(n, channels, 1))
+            grad_x = _dy_and_x_terms(grad, x3, scale, beta, gamma, layout)
         if weight is not None and ctx.needs_input_grad[1]:
             grad_weight = _over_samples(sums[1] * rstd).view(-1).to(weight.dtype)  # sum of dy * xhat
         if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -332,8 +351,7 @@ class _NormalizeGlobally(torch.autograd.Function):
             sums = collectives.all_reduce(sums, "sum", group)
         # dx = rstd * (dy - mean(dy) - xhat * mean(dy * xhat)): its shift and xhat's coefficient, per row
         shift, xhat_coefficient = sums.view(2, 1, -1, 1) * (rstd / -count)
-        grad_x = _scale_shift(xhat_rows, xhat_coefficient, shift, layout)
-        grad_x = grad_x.addcmul_(grad_rows, rstd.to(grad.dtype)).view(grad.shape)
+        grad_x = _dy_and_x_terms(grad_rows, xhat_rows, rstd, xhat_coefficient, shift, layout).view(grad.shape)
         return grad_x.to(slab.dtype), None, None, None
 
 

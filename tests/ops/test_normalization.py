@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from physics_dp.distributed.collectives import count_communication
+from physics_dp.ops import fused_cpu
 from physics_dp.ops._local import ShardedOpError
 from physics_dp.shard_tensor import Partial, Replicate, Shard, ShardTensor, distribute_tensor
 from physics_dp.testing import get_mesh, run_on_ranks
@@ -202,6 +203,22 @@ def test_normalization_matches_single_device(layout: str, family: str) -> None:
     assert len(checked) >= 3 * 4, checked
 
 
+def _on_stock_kernels(check: Callable[..., list[str]], *args) -> list[str]:
+    """``check`` with the fused CPU kernels off: the path of a CPU rank with several threads or no compiler."""
+    previous = fused_cpu.set_enabled(False)
+    try:
+        return check(*args)
+    finally:
+        fused_cpu.set_enabled(previous)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("layout", ["3", "2x2-HxW"])
+def test_stock_cpu_kernels_match_single_device(layout: str, family: str) -> None:
+    checked = run_on_ranks(world_of(layout), _on_stock_kernels, _check_family, layout, family)[0]
+    assert len(checked) >= 3 * 4, checked
+
+
 # ----- communication --------------------------------------------------------------------------------
 def _group_norm_traffic(layout: str) -> list[dict[str, list[tuple[str, int]]]]:
     """Collectives (kind, bytes) of GroupNorm forward and backward at a small and a large grid."""
@@ -374,6 +391,10 @@ def _numerics() -> list[str]:
 
 def test_large_offset_and_low_precision() -> None:
     run_on_ranks(3, _numerics)
+
+
+def test_large_offset_and_low_precision_on_stock_cpu_kernels() -> None:
+    run_on_ranks(3, _on_stock_kernels, _numerics)
 
 
 def _unsupported() -> list[str]:

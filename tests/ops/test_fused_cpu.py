@@ -1,0 +1,175 @@
+"""The fused CPU norm kernels against float64 references, when they serve, and how their build fails safely."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from physics_dp.ops import fused_cpu
+from physics_dp.testing import get_mesh, run_on_ranks
+
+needs_compiler = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "c++")) is None or shutil.which("ninja") is None,
+    reason="building the kernels needs a C++ compiler and ninja",
+)
+pytestmark = needs_compiler
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The kernels serve one intra-op thread (one per rank); they are built first."""
+    assert fused_cpu.build()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _reference(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64, the variance of the rows shifted by their first value (exact: the values are near it)."""
+    x = rows.double()
+    return x.mean(1), (x - x[:, :1]).var(1, correction=0).rsqrt()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("length", [1, 7, 16, 2047, 2048, 2049, 5000])
+def test_row_moments_match_float64(dtype: torch.dtype, length: int) -> None:
+    rows = torch.randn(3, length, generator=torch.Generator().manual_seed(length), dtype=dtype) * 3 + 2
+    assert fused_cpu.usable(rows)
+    mean, rstd = fused_cpu.row_moments(rows)
+    expected_mean, expected_rstd = _reference(rows)
+    assert mean.dtype == rstd.dtype == torch.float64
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(mean, expected_mean, atol=tolerance, rtol=tolerance)
+    if length > 1:
+        torch.testing.assert_close(rstd, expected_rstd, atol=0, rtol=tolerance)
+
+
+def test_row_moments_far_from_zero_keep_the_variance() -> None:
+    """1e4 + N(0, 1) in float32 (a plain sum of squares there loses the variance to cancellation),
+    and 1e8 + N(0, 1) in float64."""
+    for offset, dtype, tolerance in ((1e4, torch.float32, 1e-5), (1e8, torch.float64, 1e-9)):
+        rows = offset + torch.randn(4, 30000, generator=torch.Generator().manual_seed(1), dtype=dtype)
+        mean, rstd = fused_cpu.row_moments(rows)
+        expected_mean, expected_rstd = _reference(rows)
+        torch.testing.assert_close(mean, expected_mean, atol=0, rtol=1e-12)
+        torch.testing.assert_close(rstd, expected_rstd, atol=0, rtol=tolerance)
+
+
+def test_row_moments_of_constant_and_nan_rows() -> None:
+    rows = torch.randn(3, 100)
+    rows[0] = 0.25
+    rows[1, 17] = float("nan")
+    mean, rstd = fused_cpu.row_moments(rows)
+    assert mean[0] == 0.25 and rstd[0] == float("inf")
+    assert mean[1].isnan() and rstd[1].isnan()
+    assert rstd[2].isfinite()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_two_term_affine(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(0)
+    u, v = (torch.randn(5, 3001, generator=generator, dtype=dtype) for _ in range(2))
+    a, b, c = (torch.randn(5, generator=generator, dtype=dtype) for _ in range(3))
+    out = fused_cpu.two_term_affine(u, v, a, b, c)
+    expected = a.double()[:, None] * u.double() + b.double()[:, None] * v.double() + c.double()[:, None]
+    torch.testing.assert_close(out.double(), expected, atol=1e-5 if dtype == torch.float32 else 1e-12, rtol=0)
+    with pytest.raises(RuntimeError, match="coefficients"):
+        fused_cpu.two_term_affine(u, v, a[:4], b, c)
+
+
+def test_usable_only_where_the_kernels_apply() -> None:
+    x = torch.randn(4, 6)
+    assert fused_cpu.usable(x, x)
+    assert not fused_cpu.usable(x.t())  # not contiguous
+    assert not fused_cpu.usable(x.bfloat16())
+    assert not fused_cpu.usable(torch.randn(0, 6))
+    assert not fused_cpu.usable(x, x.double())
+    torch.set_num_threads(2)
+    assert not fused_cpu.usable(x)  # torch's parallel kernels serve several threads
+    torch.set_num_threads(1)
+    previous = fused_cpu.set_enabled(False)
+    try:
+        assert not fused_cpu.usable(x)
+    finally:
+        fused_cpu.set_enabled(previous)
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        self.names.add(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+def _norm_ops(enabled: bool) -> set[str]:
+    from physics_dp.shard_tensor import Shard, distribute_tensor
+
+    previous = fused_cpu.set_enabled(enabled)
+    try:
+        x = distribute_tensor(torch.randn(1, 8, 12, 6), get_mesh((2,)), [Shard(2)]).requires_grad_(True)
+        with _Ops() as ops:
+            F.group_norm(x, 2).square().sum().backward()
+        return ops.names
+    finally:
+        fused_cpu.set_enabled(previous)
+
+
+def test_a_sharded_group_norm_takes_the_kernels_on_ranks() -> None:
+    fused = run_on_ranks(2, _norm_ops, True)[0]
+    assert {"physics_dp::row_moments", "physics_dp::two_term_affine"} <= fused
+    assert "aten::native_group_norm" not in fused
+    stock = run_on_ranks(2, _norm_ops, False)[0]
+    assert not any(name.startswith("physics_dp::") for name in stock) and "aten::native_group_norm" in stock
+
+
+def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env={**os.environ, **env}, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_a_failed_build_warns_once_and_leaves_the_stock_kernels(tmp_path) -> None:
+    result = _python(
+        """
+        import warnings, torch
+        torch.set_num_threads(1)
+        from physics_dp.ops import fused_cpu
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            print(fused_cpu.usable(torch.ones(2, 2)), fused_cpu.usable(torch.ones(2, 2)))
+        print(len(caught), caught[0].message if caught else "")
+        """,
+        {"TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": str(tmp_path / "no-compiler")},
+    )
+    assert result.returncode == 0, result.stderr
+    usable, warning = result.stdout.splitlines()
+    assert usable == "False False"
+    assert warning.startswith("1 physics_dp could not build its fused CPU norm kernels") and "stock kernels" in warning
+
+
+def test_a_build_lock_left_by_a_dead_build_does_not_hang() -> None:
+    """torch's own build lock, left behind by a build that was killed, would make it wait forever."""
+    assert fused_cpu.build()
+    code = """
+        import glob, os, torch
+        from physics_dp.ops import fused_cpu
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/torch_extensions")
+        directory = sorted(glob.glob(os.path.join(root, "physics_dp_fused_norms_*")), key=os.path.getmtime)[-1]
+        open(os.path.join(directory, "lock"), "w").close()
+        print(fused_cpu.build(), os.path.exists(os.path.join(directory, "lock")))
+        """
+    result = _python(code, {})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "False"]
