@@ -173,3 +173,24 @@ def test_a_build_lock_left_by_a_dead_build_does_not_hang() -> None:
     result = _python(code, {})
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["True", "False"]
+
+
+def test_ranks_building_at_once_share_one_build(tmp_path) -> None:
+    """Several processes that first need the kernels at the same moment (the ranks of a new job):
+    one builds under the lock, the others wait for it and load its library."""
+    code = """
+        import time, torch
+        from physics_dp.ops import fused_cpu
+        start = time.perf_counter()
+        print(fused_cpu.build(), round(time.perf_counter() - start, 1))
+        """
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    processes = [
+        subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=300) for p in processes]
+    for process, (out, err) in zip(processes, outputs):
+        assert process.returncode == 0 and out.split()[0] == "True", err
+    libraries = list(tmp_path.glob("physics_dp_fused_norms_*/*.so"))
+    assert len(libraries) == 1, libraries
