@@ -5,10 +5,14 @@ backward is ``a * dy + b * x + c`` with coefficients from the global statistics.
 kernels for both on CUDA only (``batch_norm_stats``, ``batch_norm_backward_elemt``); on the CPU
 the stock kernels that serve instead cost two more passes over the slab than torch's own fused
 norm (the moments kernel also writes normalized rows, which must be rescaled; the backward's
-three-operand sum takes two kernels).  These two kernels remove both passes:
+three-operand sum takes two kernels).  Four kernels remove both passes and replace two stock
+kernels that are slower on this work (per-row loops that the compiler vectorizes):
 
 - ``row_moments``: each row's mean and 1 / std, reading the rows once and writing nothing;
-- ``two_term_affine``: ``a * u + b * v + c`` per row, one pass.
+- ``two_term_affine``: ``a * u + b * v + c`` per row, one pass;
+- ``row_affine``: ``a * x + b`` per row (for eval-mode batch norm's kernel);
+- ``grad_sums``: per channel, the sums of dy and dy * (x - mean) (for batch norm's backward
+  reduction, 2-3x slower on one thread).
 
 They run on one thread, so they serve only where torch runs one intra-op thread (torchrun's
 default for several processes on a host, and what ``docs/performance.md`` recommends); with more
@@ -30,7 +34,7 @@ import torch
 
 from ..distributed.tracing import is_tracing
 
-__all__ = ["usable", "row_moments", "two_term_affine", "set_enabled", "build"]
+__all__ = ["usable", "row_moments", "two_term_affine", "row_affine", "grad_sums", "set_enabled", "build"]
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "fused_norms.cpp")
 _DTYPES = (torch.float32, torch.float64)
@@ -73,6 +77,17 @@ def two_term_affine(u: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.
     """``a * u + b * v + c`` for contiguous (P, Q) ``u`` and ``v`` and (P,) coefficients, all of one
     dtype (once :func:`usable` said yes)."""
     return torch.ops.physics_dp.two_term_affine(u, v, a, b, c)
+
+
+def row_affine(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a * x + b`` for a contiguous (P, Q) ``x`` and (P,) coefficients of its dtype (once :func:`usable` said yes)."""
+    return torch.ops.physics_dp.row_affine(x, a, b)
+
+
+def grad_sums(g: torch.Tensor, x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """Per channel of contiguous (N, C, L) ``g`` and ``x``: the sums over N and L of g and of
+    g * (x - mean), stacked (2, C), float64; ``mean`` is (C,) of x's dtype (once :func:`usable` said yes)."""
+    return torch.ops.physics_dp.grad_sums(g, x, mean)
 
 
 def build() -> bool:

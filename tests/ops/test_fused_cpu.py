@@ -86,6 +86,31 @@ def test_two_term_affine(dtype: torch.dtype) -> None:
         fused_cpu.two_term_affine(u, v, a[:4], b, c)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_row_affine(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 2049, generator=generator, dtype=dtype)
+    a, b = (torch.randn(6, generator=generator, dtype=dtype) for _ in range(2))
+    expected = a.double()[:, None] * x.double() + b.double()[:, None]
+    torch.testing.assert_close(fused_cpu.row_affine(x, a, b).double(), expected, atol=1e-6 if dtype == torch.float32 else 1e-13, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("samples", [1, 3])
+def test_grad_sums_over_samples_and_length(dtype: torch.dtype, samples: int) -> None:
+    generator = torch.Generator().manual_seed(samples)
+    g, x = (torch.randn(samples, 5, 4099, generator=generator, dtype=dtype) for _ in range(2))
+    x = x + 100  # the centering happens inside, about the given mean
+    mean = x.mean((0, 2))
+    sums = fused_cpu.grad_sums(g, x, mean)
+    gd, centered = g.double(), x.double() - mean.double()[None, :, None]
+    expected = torch.stack((gd.sum((0, 2)), (gd * centered).sum((0, 2))))
+    assert sums.dtype == torch.float64 and sums.shape == (2, 5)
+    torch.testing.assert_close(sums, expected, atol=1e-3 if dtype == torch.float32 else 1e-9, rtol=1e-5 if dtype == torch.float32 else 1e-12)
+    with pytest.raises(RuntimeError, match="mean"):
+        fused_cpu.grad_sums(g, x, mean[:4])
+
+
 def test_usable_only_where_the_kernels_apply() -> None:
     x = torch.randn(4, 6)
     assert fused_cpu.usable(x, x)
@@ -128,7 +153,8 @@ def _norm_ops(enabled: bool) -> set[str]:
 
 def test_a_sharded_group_norm_takes_the_kernels_on_ranks() -> None:
     fused = run_on_ranks(2, _norm_ops, True)[0]
-    assert {"physics_dp::row_moments", "physics_dp::two_term_affine"} <= fused
+    assert {"physics_dp::row_moments", "physics_dp::row_affine", "physics_dp::grad_sums", "physics_dp::two_term_affine"} <= fused
+    assert "aten::native_batch_norm_backward" not in fused
     assert "aten::native_group_norm" not in fused
     stock = run_on_ranks(2, _norm_ops, False)[0]
     assert not any(name.startswith("physics_dp::") for name in stock) and "aten::native_group_norm" in stock
