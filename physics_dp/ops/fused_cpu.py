@@ -10,7 +10,7 @@ kernels that are slower on this work (per-row loops that the compiler vectorizes
 
 - ``row_moments``: each row's mean and 1 / std, reading the rows once and writing nothing;
 - ``two_term_affine``: ``a * u + b * v + c`` per row, one pass;
-- ``row_affine``: ``a * x + b`` per row (for eval-mode batch norm's kernel);
+- ``row_affine``: ``a * x + b`` per row (where eval-mode batch norm's kernel served);
 - ``grad_sums``: per channel, the sums of dy and dy * (x - mean) (for batch norm's backward
   reduction, 2-3x slower on one thread).
 
@@ -30,6 +30,7 @@ import logging
 import os
 import sys
 import warnings
+
 import torch
 
 from ..distributed.tracing import is_tracing
@@ -54,8 +55,9 @@ def set_enabled(enabled: bool) -> bool:
 
 
 def usable(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels serve these tensors: contiguous, of one dtype (float32 or float64), on the CPU, eager,
-    one intra-op thread, and the kernels built (they are built here on the first call that needs them)."""
+    """Whether the kernels serve these tensors: contiguous, of one dtype (float32 or float64), on
+    the CPU, eager, one intra-op thread, and the kernels built (here, on the first call that needs
+    them)."""
     if not _enabled or is_tracing() or torch.get_num_threads() != 1:
         return False
     first = tensors[0]
@@ -68,8 +70,8 @@ def usable(*tensors: torch.Tensor) -> bool:
 
 def row_moments(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean, 1 / std) of each row of a contiguous (P, Q) tensor, float64, biased; 1 / std is inf
-    for a constant row (once :func:`usable` said yes).  One read of the rows: blocks summed in their dtype about a shift (the row's
-    first value), merged in float64."""
+    for a constant row (once :func:`usable` said yes).  One read of the rows: blocks summed in
+    their dtype about a shift (the row's first value), merged in float64."""
     return torch.ops.physics_dp.row_moments(rows)
 
 
@@ -80,13 +82,15 @@ def two_term_affine(u: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.
 
 
 def row_affine(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a * x + b`` for a contiguous (P, Q) ``x`` and (P,) coefficients of its dtype (once :func:`usable` said yes)."""
+    """``a * x + b`` for a contiguous (P, Q) ``x`` and (P,) coefficients of its dtype (once
+    :func:`usable` said yes)."""
     return torch.ops.physics_dp.row_affine(x, a, b)
 
 
 def grad_sums(g: torch.Tensor, x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
     """Per channel of contiguous (N, C, L) ``g`` and ``x``: the sums over N and L of g and of
-    g * (x - mean), stacked (2, C), float64; ``mean`` is (C,) of x's dtype (once :func:`usable` said yes)."""
+    g * (x - mean), stacked (2, C), float64; ``mean`` is (C,) of x's dtype (once :func:`usable`
+    said yes)."""
     return torch.ops.physics_dp.grad_sums(g, x, mean)
 
 

@@ -3,8 +3,8 @@
 Normalization takes its local statistics from a fused row-moments kernel (on the CPU
 :mod:`.fused_cpu`'s, one read of the rows; where that does not serve, the one inside
 ``native_group_norm``, which also writes the rows normalized locally, for the normalization to
-rescale in place), because ``torch.var`` on CPU is an order of magnitude slower on one thread.  The var/std
-reductions must equal ``torch.var`` itself, so they use the slower exact path (a float64 sum for
+rescale in place), because ``torch.var`` on CPU is an order of magnitude slower on one thread.
+The var/std reductions must equal ``torch.var`` itself, so they use the slower exact path (a float64 sum for
 the mean, then ``torch.var``).  Only the per-statistic results, whose number is that of the
 statistics (e.g. N * groups) and never the grid size, are merged across ranks in float64 with
 Chan et al.'s parallel algorithm (the variance as the weighted mean of the parts' variances plus
@@ -36,9 +36,10 @@ def row_moments(rows: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, 
 
     On the CPU the fused kernel of :mod:`.fused_cpu` reads the rows once and writes nothing (mean
     and 1 / std in float64); where it does not serve, the group-norm kernel also writes the
-    normalized rows, which normalization rescales in place.  Eager CUDA takes synchronized batch norm's statistics kernel instead:
-    there nothing rescales in place, and it reads the rows once and writes no slab-sized
-    temporary; a few long rows are cut into parts (:func:`row_parts`) whose moments merge.
+    normalized rows, which normalization rescales in place.  Eager CUDA takes synchronized batch
+    norm's statistics kernel instead: there nothing rescales in place, and it reads the rows once
+    and writes no slab-sized temporary; a few long rows are cut into parts (:func:`row_parts`)
+    whose moments merge.
     eps = 0 makes rstd = var^-1/2 exactly as computed: inf for a constant row (whose
     normalized values are then not finite), so var = rstd^-2 is 0 there.
     """

@@ -3,18 +3,20 @@
 Each op normalizes over a set of tensor dims; where a mesh axis shards one of them, the
 statistics must span every rank along that axis:
 
-- Forward: each rank computes (count, mean, M2) of its slab with torch's fused kernel; the ranks
+- Forward: each rank computes (count, mean, M2) of its slab with a fused kernel; the ranks
   along each such axis all-gather these triples and merge them in float64 (:mod:`.moments`): one
   all-gather per axis (a single one over the job when the axes are the whole mesh) of
   ``1 + 2 * stats`` values, where ``stats`` is the number of statistics (e.g. N * groups), never
-  the grid size.  The kernel also wrote the slab normalized by its own rows' statistics; y = x * a
-  + b (a and b folded from the global statistics and the affine parameters) is that output
-  rescaled in place, which reads memory just written instead of x again.
+  the grid size.  y = x * a + b (a and b folded from the global statistics and the affine
+  parameters) is then one pass: on a CPU rank :mod:`.fused_cpu`'s kernels (the statistics read x
+  once and write nothing); else torch's moments kernel also wrote the slab normalized by its own
+  rows' statistics, and that output is rescaled in place, which reads memory just written.
 - Backward: with g = dL/dxhat, dx = rstd * (g - mean(g) - xhat * mean(g * xhat)).  The sums of dy
-  and dy * xhat per (sample, channel) come from one fused pass (torch's batch-norm backward
-  reduction) and are all-reduced in one message.  For the channel norms they give dx as
-  alpha * dy + beta * x + gamma, and the affine parameters' gradients in closed form, already
-  summed over the ranks sharing the statistics: no separate parameter all-reduce.
+  and dy * xhat per (sample, channel) come from one fused pass (:mod:`.fused_cpu`'s, else torch's
+  batch-norm backward reduction) and are all-reduced in one message.  For the channel norms they
+  give dx as alpha * dy + beta * x + gamma (one pass of :mod:`.fused_cpu`'s kernel, else two), and
+  the affine parameters' gradients in closed form, already summed over the ranks sharing the
+  statistics: no separate parameter all-reduce.
 
 Without a sharded normalized dim (layer norm over unsharded trailing dims, group norm with only
 the batch split, eval-mode batch norm) the op runs on the slab with no communication at all.
@@ -163,10 +165,12 @@ def _scale_shift(
 def _dy_and_x_terms(
     grad: torch.Tensor, x3: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, layout: _StatLayout
 ) -> torch.Tensor:
-    """a * grad + b * x3 + c for (N, C, L) tensors and per-statistic coefficients (see :meth:`_StatLayout.expanded`).
+    """a * grad + b * x3 + c for (N, C, L) tensors and per-statistic coefficients (see
+    :meth:`_StatLayout.expanded`).
 
     One pass where :mod:`.fused_cpu`'s kernel serves; else two: ``x3 * b + c`` into a new tensor
-    (:func:`_scale_shift`), then ``addcmul_`` of ``a * grad`` (no stock CPU kernel reads three tensors).
+    (:func:`_scale_shift`), then ``addcmul_`` of ``a * grad`` (no stock CPU kernel reads three
+    tensors).
     """
     n, channels, length = x3.shape
     if x3.numel() == 0:  # an empty shard (it may hold no statistic at all)
@@ -209,10 +213,11 @@ class _ChannelNorm(torch.autograd.Function):
     """Group, batch or instance norm with statistics over the global grid, affine included.
 
     Forward: fused local moments, one all-gather of the float64 statistics per group, merged,
-    then y = x * a + b from the moments kernel's own output, in place (:func:`_rescaled`).
-    Backward: the per-(sample, channel) sums of dy and dy * (x - mean) (one fused pass),
-    all-reduced in one message, give dx = a * dy + beta * x + gamma and the weight and bias
-    gradients in closed form (already summed over the ranks that share the statistics).
+    then y = x * a + b in one pass (from the stock moments kernel's own output, in place:
+    :func:`_rescaled`).  Backward: the per-(sample, channel) sums of dy and dy * (x - mean) (one
+    fused pass), all-reduced in one message, give dx = a * dy + beta * x + gamma
+    (:func:`_dy_and_x_terms`) and the weight and bias gradients in closed form (already summed
+    over the ranks that share the statistics).
     """
 
     @staticmethod
