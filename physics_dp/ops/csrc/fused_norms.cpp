@@ -101,11 +101,15 @@ void grad_sums_kernel(const T* g, const T* x, const T* mean, int64_t samples, in
   }
 }
 
+void check_float_or_double(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble,
+              name, " must be float32 or float64, got ", t.scalar_type());
+}
+
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.is_contiguous() && t.size(1) > 0,
               name, " must be a contiguous CPU (rows, length) tensor with length > 0, got ", t.sizes());
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble,
-              name, " must be float32 or float64, got ", t.scalar_type());
+  check_float_or_double(t, name);
 }
 
 void check_coefficients(const at::Tensor& u, std::initializer_list<const at::Tensor*> coefficients) {
@@ -127,7 +131,7 @@ std::tuple<at::Tensor, at::Tensor> row_moments(const at::Tensor& rows) {
 }
 
 at::Tensor two_term_affine(const at::Tensor& u, const at::Tensor& v, const at::Tensor& a,
-                              const at::Tensor& b, const at::Tensor& c) {
+                           const at::Tensor& b, const at::Tensor& c) {
   check_rows(u, "u");
   TORCH_CHECK(v.sizes() == u.sizes() && v.is_contiguous() && v.scalar_type() == u.scalar_type(),
               "v must be contiguous and match u");
@@ -140,8 +144,6 @@ at::Tensor two_term_affine(const at::Tensor& u, const at::Tensor& v, const at::T
   });
   return out;
 }
-
-}  // namespace
 
 at::Tensor row_affine(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b) {
   check_rows(x, "x");
@@ -157,8 +159,8 @@ at::Tensor row_affine(const at::Tensor& x, const at::Tensor& a, const at::Tensor
 at::Tensor grad_sums(const at::Tensor& g, const at::Tensor& x, const at::Tensor& mean) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.is_contiguous() && g.sizes() == x.sizes() && g.is_contiguous(),
               "g and x must be contiguous CPU (samples, channels, length) tensors of one shape, got ", g.sizes(), " and ", x.sizes());
-  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble) && g.scalar_type() == x.scalar_type(),
-              "g and x must both be float32 or both float64");
+  check_float_or_double(x, "x");
+  TORCH_CHECK(g.scalar_type() == x.scalar_type(), "g must have x's dtype");
   TORCH_CHECK(mean.dim() == 1 && mean.size(0) == x.size(1) && mean.is_contiguous() && mean.scalar_type() == x.scalar_type(),
               "mean must be a contiguous (channels,) tensor of x's dtype");
   auto sums = at::empty({2, x.size(1)}, x.options().dtype(at::kDouble));
@@ -168,6 +170,8 @@ at::Tensor grad_sums(const at::Tensor& g, const at::Tensor& x, const at::Tensor&
   });
   return sums;
 }
+
+}  // namespace
 
 // Registered with the dispatcher (torch.ops.physics_dp.*), so that profilers and dispatch modes see them.
 TORCH_LIBRARY(physics_dp, m) {
