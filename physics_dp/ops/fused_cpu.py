@@ -8,11 +8,17 @@ norm (the moments kernel also writes normalized rows, which must be rescaled; th
 three-operand sum takes two kernels).  Four kernels remove both passes and replace two stock
 kernels that are slower on this work (per-row loops that the compiler vectorizes):
 
-- ``row_moments``: each row's mean and 1 / std, reading the rows once and writing nothing;
+- ``norm_moments``: the statistics of the slab, reading it once and writing nothing;
 - ``two_term_affine``: ``a * u + b * v + c`` per row, one pass;
 - ``row_affine``: ``a * x + b`` per row (where eval-mode batch norm's kernel served);
 - ``grad_sums``: per channel, the sums of dy and dy * (x - mean) (for batch norm's backward
   reduction, 2-3x slower on one thread).
+
+Three more do the arithmetic on the few statistics in between, each in one call where it took
+about twenty small tensor ops per norm (a fixed host cost per call, 0.2-0.5 ms with the caches cold
+after the slab's passes): ``merge_moments`` (Chan's merge of the ranks' statistics),
+``norm_coefficients`` (the forward's scale and shift per channel) and ``norm_grad_coefficients``
+(the backward's, and the affine parameters' gradients).
 
 They run on one thread, so they serve only where torch runs one intra-op thread (torchrun's
 default for several processes on a host, and what ``docs/performance.md`` recommends); with more
@@ -35,7 +41,10 @@ import torch
 
 from ..distributed.tracing import is_tracing
 
-__all__ = ["usable", "row_moments", "two_term_affine", "row_affine", "grad_sums", "set_enabled", "build"]
+__all__ = [
+    "usable", "norm_moments", "merge_moments", "norm_coefficients", "norm_grad_coefficients", "two_term_affine", "row_affine",
+    "grad_sums", "set_enabled", "build",
+]
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "fused_norms.cpp")
 _DTYPES = (torch.float32, torch.float64)
@@ -68,11 +77,41 @@ def usable(*tensors: torch.Tensor) -> bool:
     return _built if _built is not None else build()
 
 
-def row_moments(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean, 1 / std) of each row of a contiguous (P, Q) tensor, float64, biased; 1 / std is inf
-    for a constant row (once :func:`usable` said yes).  One read of the rows: blocks summed in
-    their dtype about a shift (the row's first value), merged in float64."""
-    return torch.ops.physics_dp.row_moments(rows)
+def norm_moments(x3: torch.Tensor, groups: int, per_sample: bool) -> torch.Tensor:
+    """The statistics of a contiguous (N, C, L) slab packed as ``[count, means, variances]``
+    (float64, biased; S = N * groups statistics per (sample, group), or C per channel over the
+    samples where not ``per_sample``), reading the slab once (once :func:`usable` said yes).
+    Blocks are summed in the slab's dtype about a shift (each statistic's first value), merged in
+    float64."""
+    return torch.ops.physics_dp.norm_moments(x3, groups, per_sample)
+
+
+def merge_moments(gathered: torch.Tensor) -> torch.Tensor:
+    """Chan's merge of the packed statistics of several ranks, the rows of a (ranks, 1 + 2 S)
+    float64 tensor, into one packed row (an empty part weighs nothing)."""
+    return torch.ops.physics_dp.merge_moments(gathered)
+
+
+def norm_coefficients(
+    packed: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+    shape: tuple[int, int], groups: int, per_sample: bool, dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """From merged packed statistics: rows (scale, shift, mean) per (sample, channel) of an
+    (N, C) = ``shape`` slab, in ``dtype`` (y = scale * x + shift), and 1 / std per statistic
+    (float64)."""
+    samples, channels = shape
+    return torch.ops.physics_dp.norm_coefficients(packed, weight, bias, eps, samples, channels, groups, per_sample, dtype)
+
+
+def norm_grad_coefficients(
+    sums: torch.Tensor, packed: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor | None,
+    samples: int, groups: int, per_sample: bool, dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """From the all-reduced sums of dy and dy * (x - mean) per (sample, channel) (per channel for
+    statistics over the samples), stacked (2, .), float64: rows (beta, gamma) per (sample, channel)
+    in ``dtype`` (dx = scale * dy + beta * x + gamma), and the weight and bias gradients stacked
+    (2, C), float64."""
+    return torch.ops.physics_dp.norm_grad_coefficients(sums, packed, rstd, weight, samples, groups, per_sample, dtype)
 
 
 def two_term_affine(u: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:

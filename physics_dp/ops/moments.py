@@ -1,9 +1,10 @@
 """Global moments (count, mean, variance) of sharded data: fused local kernels, a float64 merge of the few.
 
-Normalization takes its local statistics from a fused row-moments kernel (on the CPU
-:mod:`.fused_cpu`'s, one read of the rows; where that does not serve, the one inside
-``native_group_norm``, which also writes the rows normalized locally, for the normalization to
-rescale in place), because ``torch.var`` on CPU is an order of magnitude slower on one thread.
+Normalization takes its local statistics from a fused row-moments kernel (on a CPU rank
+:mod:`.fused_cpu`'s, one read of the slab, called by the norms themselves; elsewhere the one
+inside ``native_group_norm``, which also writes the rows normalized locally, for the
+normalization to rescale in place), because ``torch.var`` on CPU is an order of magnitude slower
+on one thread.
 The var/std reductions must equal ``torch.var`` itself, so they use the slower exact path (a float64 sum for
 the mean, then ``torch.var``).  Only the per-statistic results, whose number is that of the
 statistics (e.g. N * groups) and never the grid size, are merged across ranks in float64 with
@@ -25,7 +26,9 @@ from ..distributed import collectives
 from ..distributed.tracing import is_tracing
 from . import fused_cpu
 
-__all__ = ["exact_local_moments", "merge_moments", "global_moments", "row_moments", "row_parts", "LOW_PRECISION"]
+__all__ = [
+    "exact_local_moments", "merge_moments", "merge_packed", "global_moments", "row_moments", "row_parts", "LOW_PRECISION",
+]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -34,9 +37,9 @@ def row_moments(rows: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, 
     """Statistics of the rows of a (P, Q) tensor with Q > 0: (the rows normalized by their own
     statistics, (P, Q), or None; their means and 1 / std, (P,)), from one fused kernel.
 
-    On the CPU the fused kernel of :mod:`.fused_cpu` reads the rows once and writes nothing (mean
-    and 1 / std in float64); where it does not serve, the group-norm kernel also writes the
-    normalized rows, which normalization rescales in place.  Eager CUDA takes synchronized batch
+    On the CPU the group-norm kernel, which also writes the normalized rows, for normalization to
+    rescale in place (where :mod:`.fused_cpu` serves, the norms read their statistics without
+    writing anything, and do not come here).  Eager CUDA takes synchronized batch
     norm's statistics kernel instead: there nothing rescales in place, and it reads the rows once
     and writes no slab-sized temporary; a few long rows are cut into parts (:func:`row_parts`)
     whose moments merge.
@@ -50,8 +53,6 @@ def row_moments(rows: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, 
         mean, rstd = torch.batch_norm_stats(rows.view(1, p * parts, q // parts), 0.0)
         rstd.masked_fill_(rstd == 0, math.inf)  # the kernel gives 0 for a constant row (var 0, eps 0)
         return None, *(merge_equal_parts(mean.view(p, parts), rstd.view(p, parts)) if parts > 1 else (mean, rstd))
-    if fused_cpu.usable(rows):
-        return None, *fused_cpu.row_moments(rows.view(p, q))
     normalized, mean, rstd = torch.native_group_norm(rows, None, None, 1, p, q, p, 0.0)
     return normalized.view(p, q), mean.view(p), rstd.view(p)
 
@@ -165,11 +166,28 @@ def merge_moments(
     mean, var = mean.reshape(-1), var.reshape(-1)
     if not groups:  # statistics of the slab alone (e.g. to be averaged over a split batch): float64 all the same
         return total, mean.double(), var.double()
+    if fused_cpu.usable(mean, var):
+        total, mean, var = unpacked(merge_packed(torch.cat((total, mean, var)), groups))
+        return total, mean, var
     size = mean.numel()
     for group in groups:
         gathered = collectives.all_gather_rows(torch.cat((total, mean, var)), group)  # promoted to float64
         total, mean, var = _merged(gathered[:, :1], gathered[:, 1 : 1 + size], gathered[:, 1 + size :])
     return total, mean, var
+
+
+def merge_packed(packed: torch.Tensor, groups: Sequence[ProcessGroup]) -> torch.Tensor:
+    """:func:`merge_moments` of statistics packed as ``[count, means, variances]`` (float64), where
+    :mod:`.fused_cpu` serves: one all-gather and one merge kernel per group."""
+    for group in groups:
+        packed = fused_cpu.merge_moments(collectives.all_gather_rows(packed, group))
+    return packed
+
+
+def unpacked(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(count (1,), means (S,), variances (S,)): views of packed statistics."""
+    stats = packed.numel() // 2
+    return packed[:1], packed[1 : 1 + stats], packed[1 + stats :]
 
 
 def global_moments(

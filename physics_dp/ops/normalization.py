@@ -43,7 +43,7 @@ from ._local import (
     ShardedOpError, data_axes, groups_over, groups_spanning, local_input, local_param, sharded_axes, wrap_local, wrap_local_as,
 )
 from .grad_sums import SumGradOverGroups, creating_graph, sum_shares
-from .moments import LOW_PRECISION, merge_moments, row_moments, row_parts
+from .moments import LOW_PRECISION, merge_moments, merge_packed, row_moments, row_parts, unpacked
 
 __all__: list[str] = []
 
@@ -143,17 +143,14 @@ def _scale_shift(
     channel; viewing (N, C, L) as one sample of N * C channels gives per-(sample, channel) values.
     Its CPU kernel reads each element before writing the same element, so it may write over its
     input: one pass where ``mul_`` then ``add_`` take two.  On a GPU a few long channels are cut
-    into parts (:func:`.moments.row_parts`), each with the channel's coefficients.  Into a new
-    tensor on a CPU rank where :mod:`.fused_cpu` serves, its per-row kernel (up to 1.4x faster).
+    into parts (:func:`.moments.row_parts`), each with the channel's coefficients.  (Where
+    :mod:`.fused_cpu` serves, the norms call its per-row kernel instead: up to 1.4x faster.)
     """
     n, c, length = x3.shape
     if x3.numel() == 0:  # an empty shard (the kernel cannot take zero channels)
         return x3 if in_place else torch.empty_like(x3)
-    fused = not in_place and fused_cpu.usable(x3)
-    parts = 1 if in_place or fused else row_parts(n * c, length, x3.device)
+    parts = 1 if in_place else row_parts(n * c, length, x3.device)
     weight, bias = layout.expanded(scale, n, c, x3.dtype, parts), layout.expanded(shift, n, c, x3.dtype, parts)
-    if fused:
-        return fused_cpu.row_affine(x3.view(n * c, length), weight, bias).view(n, c, length)
     zeros, ones, scratch = _identity_stats(n * c * parts, x3)
     rows = x3.reshape(1, n * c * parts, length // parts)
     if not in_place:
@@ -168,17 +165,12 @@ def _dy_and_x_terms(
     """a * grad + b * x3 + c for (N, C, L) tensors and per-statistic coefficients (see
     :meth:`_StatLayout.expanded`).
 
-    One pass where :mod:`.fused_cpu`'s kernel serves; else two: ``x3 * b + c`` into a new tensor
-    (:func:`_scale_shift`), then ``addcmul_`` of ``a * grad`` (no stock CPU kernel reads three
-    tensors).
+    Two passes: ``x3 * b + c`` into a new tensor (:func:`_scale_shift`), then ``addcmul_`` of
+    ``a * grad`` (no stock kernel reads three tensors; :mod:`.fused_cpu`'s does, where it serves).
     """
     n, channels, length = x3.shape
     if x3.numel() == 0:  # an empty shard (it may hold no statistic at all)
         return torch.empty_like(x3)
-    if fused_cpu.usable(grad, x3):
-        a, b, c = (layout.expanded(k, n, channels, x3.dtype) for k in (a, b, c))
-        rows = (n * channels, length)
-        return fused_cpu.two_term_affine(grad.view(rows), x3.view(rows), a, b, c).view(n, channels, length)
     out = _scale_shift(x3, b, c, layout)
     return out.addcmul_(grad, layout.expanded(a, n, channels, grad.dtype).view(n, channels, 1))
 
@@ -189,14 +181,12 @@ def _row_sums(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor) -> torch.
     torch's batch-norm backward reduces both in one pass over ``grad`` and ``x`` (two separate
     reductions read the gradient twice); given 1 / std = 1 it leaves the scaling to the caller.
     The weight (ones) must be given: CUDA's reduction reads its device.  On a GPU a few long
-    channels are cut into parts (:func:`.moments.row_parts`) whose sums add up.  On a CPU rank
-    where :mod:`.fused_cpu` serves, its kernel instead (2-3x faster on one thread).
+    channels are cut into parts (:func:`.moments.row_parts`) whose sums add up.  (Where
+    :mod:`.fused_cpu` serves, the norms take its kernel instead: 2-3x faster on one thread.)
     """
     n, channels, length = x.shape
     if x.numel() == 0:  # an empty shard (the kernel divides by its extents)
         return torch.zeros(2, channels, dtype=torch.float64, device=x.device)
-    if fused_cpu.usable(grad, x, mean):
-        return fused_cpu.grad_sums(grad, x, mean)
     parts = row_parts(channels, length, x.device, batch=n)
     if parts > 1:
         split = (n, channels * parts, length // parts)
@@ -213,11 +203,12 @@ class _ChannelNorm(torch.autograd.Function):
     """Group, batch or instance norm with statistics over the global grid, affine included.
 
     Forward: fused local moments, one all-gather of the float64 statistics per group, merged,
-    then y = x * a + b in one pass (from the stock moments kernel's own output, in place:
-    :func:`_rescaled`).  Backward: the per-(sample, channel) sums of dy and dy * (x - mean) (one
-    fused pass), all-reduced in one message, give dx = a * dy + beta * x + gamma
+    then y = x * a + b in one pass (on the stock kernels, from the moments kernel's own output, in
+    place: :func:`_rescaled`).  Backward: the per-(sample, channel) sums of dy and dy * (x - mean)
+    (one fused pass), all-reduced in one message, give dx = a * dy + beta * x + gamma
     (:func:`_dy_and_x_terms`) and the weight and bias gradients in closed form (already summed
-    over the ranks that share the statistics).
+    over the ranks that share the statistics).  Where :mod:`.fused_cpu` serves, each step is one
+    of its kernels (``_channel_norm_on_cpu_kernels``).
     """
 
     @staticmethod
@@ -230,20 +221,16 @@ class _ChannelNorm(torch.autograd.Function):
         groups: tuple[ProcessGroup, ...],
         eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        n, channels, _ = x3.shape
-        per_group = (layout.groups, channels // layout.groups)
-        count, mean, var, local = layout.local_moments(x3)
-        total, mean, var = merge_moments(count, mean, var, groups)
-        mean, var = mean.view(-1, layout.groups, 1), var.view(-1, layout.groups, 1)
-        rstd = (var + eps).rsqrt_()
-        scale = rstd if weight is None else rstd * weight.view(per_group)  # float64: the parameters promote
-        shift = (mean * scale).neg_() if bias is None else torch.addcmul(bias.view(per_group), mean, scale, value=-1)
-        y = None if local is None else _rescaled(local, scale, shift, layout)
-        y = _scale_shift(x3, scale, shift, layout) if y is None else y
         ctx.save_for_backward(x3, weight, bias)
-        ctx.stats = (mean, rstd, total, scale)
         ctx.layout, ctx.groups, ctx.eps = layout, groups, eps
         ctx.has_bias = bias is not None
+        ctx.on_cpu_kernels = fused_cpu.usable(x3)
+        if ctx.on_cpu_kernels:
+            y, ctx.stats = _normalize_on_cpu_kernels(x3, weight, bias, layout, groups, eps)
+            total, mean, var = unpacked(ctx.stats[0])
+        else:
+            y, total, mean, var = _channel_norm_on_stock_kernels(ctx, x3, weight, bias)
+        ctx.total = total
         mean, var = mean.view(-1, layout.groups), var.view(-1, layout.groups)
         ctx.mark_non_differentiable(mean, var)
         ctx.set_materialize_grads(False)  # the statistics get no gradient: no zeros made for them
@@ -254,34 +241,99 @@ class _ChannelNorm(torch.autograd.Function):
         if creating_graph():
             return (*_differentiated(ctx, grad, _channel_norm_again), None, None, None)
         grad = grad.contiguous()
+        if not ctx.on_cpu_kernels:
+            return (*_channel_norm_backward_on_stock_kernels(ctx, grad), None, None, None)
         x3, weight, _ = ctx.saved_tensors
-        mean, rstd, total, scale = ctx.stats
-        layout = ctx.layout
-        n, channels, length = x3.shape
-        per_group = (layout.groups, channels // layout.groups)
-        mean_c = layout.expanded(mean, n if layout.per_sample else 1, channels, x3.dtype)
-        if layout.per_sample:  # statistics per (sample, channel): one row each
-            rows = (1, n * channels, length)
-            sums = _row_sums(grad.view(rows), x3.reshape(rows), mean_c)
-        else:  # batch statistics: the kernel sums the rank's part of the batch too
-            sums = _row_sums(grad, x3, mean_c)
-        for group in ctx.groups:
-            sums = collectives.all_reduce(sums, "sum", group)
-        sums = sums.view(2, -1, *per_group)  # over the global grid: sum dy, sum dy * (x - mean)
-        grad_x = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            # g = dL/dxhat = w * dy; dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) = scale * dy + beta * x + gamma
-            # with k = -rstd / n: beta = k * rstd^2 * sum(g * (x - mean)), gamma = k * sum(g) - beta * mean
-            weighted = sums if weight is None else sums * weight.view(per_group)
-            k_sum_g, k_sum_g_xmu = weighted.sum(-1, keepdim=True) * (rstd / -total)
-            beta = k_sum_g_xmu * rstd.square()
-            gamma = torch.addcmul(k_sum_g, beta, mean, value=-1)
-            grad_x = _dy_and_x_terms(grad, x3, scale, beta, gamma, layout)
-        if weight is not None and ctx.needs_input_grad[1]:
-            grad_weight = _over_samples(sums[1] * rstd).view(-1).to(weight.dtype)  # sum of dy * xhat
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = _over_samples(sums[0]).view(-1).to(grad.dtype)
-        return grad_x, grad_weight, grad_bias, None, None, None
+        needs = (ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
+        grad_x, grad_weight, grad_bias = _normalize_backward_on_cpu_kernels(grad, x3, weight, ctx.stats, ctx.layout, ctx.groups, needs)
+        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
+        return grad_x, grad_weight, None if grad_bias is None else grad_bias.to(grad.dtype), None, None, None
+
+
+def _channel_norm_on_stock_kernels(ctx, x3: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None):
+    """The forward from torch's kernels and small tensor ops: (y, total count, mean, var)."""
+    layout = ctx.layout
+    per_group = (layout.groups, x3.shape[1] // layout.groups)
+    count, mean, var, local = layout.local_moments(x3)
+    total, mean, var = merge_moments(count, mean, var, ctx.groups)
+    mean, var = mean.view(-1, layout.groups, 1), var.view(-1, layout.groups, 1)
+    rstd = (var + ctx.eps).rsqrt_()
+    scale = rstd if weight is None else rstd * weight.view(per_group)  # float64: the parameters promote
+    shift = (mean * scale).neg_() if bias is None else torch.addcmul(bias.view(per_group), mean, scale, value=-1)
+    y = None if local is None else _rescaled(local, scale, shift, layout)
+    y = _scale_shift(x3, scale, shift, layout) if y is None else y
+    ctx.stats = (mean, rstd, scale)
+    return y, total, mean, var
+
+
+def _channel_norm_backward_on_stock_kernels(ctx, grad: torch.Tensor) -> tuple:
+    """(dx, dweight, dbias) from torch's kernels and small tensor ops."""
+    x3, weight, _ = ctx.saved_tensors
+    mean, rstd, scale = ctx.stats
+    total = ctx.total
+    layout = ctx.layout
+    n, channels, length = x3.shape
+    per_group = (layout.groups, channels // layout.groups)
+    mean_c = layout.expanded(mean, n if layout.per_sample else 1, channels, x3.dtype)
+    if layout.per_sample:  # statistics per (sample, channel): one row each
+        rows = (1, n * channels, length)
+        sums = _row_sums(grad.view(rows), x3.reshape(rows), mean_c)
+    else:  # batch statistics: the kernel sums the rank's part of the batch too
+        sums = _row_sums(grad, x3, mean_c)
+    for group in ctx.groups:
+        sums = collectives.all_reduce(sums, "sum", group)
+    sums = sums.view(2, -1, *per_group)  # over the global grid: sum dy, sum dy * (x - mean)
+    grad_x = grad_weight = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        # g = dL/dxhat = w * dy; dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) = scale * dy + beta * x + gamma
+        # with k = -rstd / n: beta = k * rstd^2 * sum(g * (x - mean)), gamma = k * sum(g) - beta * mean
+        weighted = sums if weight is None else sums * weight.view(per_group)
+        k_sum_g, k_sum_g_xmu = weighted.sum(-1, keepdim=True) * (rstd / -total)
+        beta = k_sum_g_xmu * rstd.square()
+        gamma = torch.addcmul(k_sum_g, beta, mean, value=-1)
+        grad_x = _dy_and_x_terms(grad, x3, scale, beta, gamma, layout)
+    if weight is not None and ctx.needs_input_grad[1]:
+        grad_weight = _over_samples(sums[1] * rstd).view(-1).to(weight.dtype)  # sum of dy * xhat
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        grad_bias = _over_samples(sums[0]).view(-1).to(grad.dtype)
+    return grad_x, grad_weight, grad_bias
+
+
+def _normalize_on_cpu_kernels(
+    x3: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, layout: _StatLayout,
+    groups: tuple[ProcessGroup, ...], eps: float,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The normalization of an (N, C, L) slab from :mod:`.fused_cpu`'s kernels, five calls: the
+    slab's statistics, their merge over the ranks, the coefficients, then y = scale * x + shift.
+    Returns y and the statistics the backward takes (packed moments, 1 / std, coefficients)."""
+    n, channels, length = x3.shape
+    packed = merge_packed(fused_cpu.norm_moments(x3, layout.groups, layout.per_sample), groups)
+    coefficients, rstd = fused_cpu.norm_coefficients(packed, weight, bias, eps, (n, channels), layout.groups, layout.per_sample, x3.dtype)
+    y = fused_cpu.row_affine(x3.view(n * channels, length), coefficients[0], coefficients[1]).view(n, channels, length)
+    return y, (packed, rstd, coefficients)
+
+
+def _normalize_backward_on_cpu_kernels(
+    grad: torch.Tensor, x3: torch.Tensor, weight: torch.Tensor | None, stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    layout: _StatLayout, groups: tuple[ProcessGroup, ...], needs: Sequence[bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(dx, dweight, dbias) (float64 parameter gradients; None where ``needs`` says no) from
+    :mod:`.fused_cpu`'s kernels: the sums of dy and dy * (x - mean) per (sample, channel),
+    all-reduced, the coefficients, then dx in one pass."""
+    packed, rstd, coefficients = stats
+    n, channels, length = x3.shape
+    rows = (n * channels, length)
+    if layout.per_sample:  # statistics per (sample, channel): one row each
+        sums = fused_cpu.grad_sums(grad.view(1, *rows), x3.view(1, *rows), coefficients[2])
+    else:  # batch statistics: the kernel sums the rank's part of the batch too
+        sums = fused_cpu.grad_sums(grad, x3, coefficients[2, :channels])
+    for group in groups:
+        sums = collectives.all_reduce(sums, "sum", group)
+    terms, param_grads = fused_cpu.norm_grad_coefficients(sums, packed, rstd, weight, n, layout.groups, layout.per_sample, x3.dtype)
+    grad_x = None
+    if needs[0]:
+        grad_x = fused_cpu.two_term_affine(grad.view(rows), x3.view(rows), coefficients[0], terms[0], terms[1]).view(n, channels, length)
+    return grad_x, param_grads[0] if needs[1] else None, param_grads[1] if needs[2] else None
 
 
 def _over_samples(per_stat: torch.Tensor) -> torch.Tensor:
@@ -321,8 +373,10 @@ class _NormalizeGlobally(torch.autograd.Function):
 
     The slab is viewed as rows (leading index) x the normalized values, (1, rows, values): one
     sample whose channels are the rows, so the channel norms' pieces apply with a statistic per
-    channel.  The normalization rescales the moments kernel's own output (:func:`_rescaled`) and
-    the closed-form backward is fused per-row passes (:func:`_scale_shift`).  Low-precision
+    channel.  On the stock kernels the normalization rescales the moments kernel's own output
+    (:func:`_rescaled`) and the closed-form backward is fused per-row passes of xhat
+    (:func:`_scale_shift`); where :mod:`.fused_cpu` serves, it is the channel norms' kernel path,
+    whose backward reads x (saved anyway) instead of xhat.  Low-precision
     slabs are normalized in fp32 (the output's dtype); the slab itself is kept, uncast, for a
     double backward (a reference, as torch's layer norm keeps its input).
     """
@@ -336,14 +390,20 @@ class _NormalizeGlobally(torch.autograd.Function):
         leading = math.prod(x.shape[: x.ndim - len(dims)])  # each leading index is a row
         layout = _StatLayout(leading, per_sample=True)
         rows = x.reshape(1, leading, length)
+        ctx.groups, ctx.dims, ctx.eps, ctx.layout = groups, dims, eps, layout
+        ctx.on_cpu_kernels = fused_cpu.usable(rows)
+        if ctx.on_cpu_kernels:  # the backward then reads x itself: the channel norms' kernel path
+            xhat, ctx.stats = _normalize_on_cpu_kernels(rows, None, None, layout, groups, eps)
+            ctx.count = ctx.stats[0][:1]
+            ctx.save_for_backward(rows, slab)
+            return xhat.view(x.shape)
         count, mean, var, local = layout.local_moments(rows)
-        count, mean, var = merge_moments(count, mean, var, groups)
+        ctx.count, mean, var = merge_moments(count, mean, var, groups)
         rstd = (var + eps).rsqrt_().view(1, leading, 1)
         shift = (mean.view(1, leading, 1) * rstd).neg_()
         xhat = None if local is None else _rescaled(local, rstd, shift, layout)
         xhat = (_scale_shift(rows, rstd, shift, layout) if xhat is None else xhat).view(x.shape)
-        ctx.save_for_backward(xhat, rstd, count, slab)
-        ctx.groups, ctx.dims, ctx.eps, ctx.layout = groups, dims, eps, layout
+        ctx.save_for_backward(xhat, rstd, slab)
         return xhat
 
     @staticmethod
@@ -353,7 +413,13 @@ class _NormalizeGlobally(torch.autograd.Function):
         if creating_graph():
             return (*_differentiated(ctx, grad, _normalize_again), None, None, None)
         grad = grad.contiguous()
-        xhat, rstd, count, slab = ctx.saved_tensors
+        if ctx.on_cpu_kernels:
+            rows, slab = ctx.saved_tensors
+            grad_x, _, _ = _normalize_backward_on_cpu_kernels(
+                grad.view(rows.shape), rows, None, ctx.stats, ctx.layout, ctx.groups, (True, False, False)
+            )
+            return grad_x.view(grad.shape).to(slab.dtype), None, None, None
+        xhat, rstd, slab = ctx.saved_tensors
         layout = ctx.layout
         rows = (1, layout.groups, xhat.numel() // layout.groups if layout.groups else 0)
         xhat_rows, grad_rows = xhat.view(rows), grad.view(rows)
@@ -362,7 +428,7 @@ class _NormalizeGlobally(torch.autograd.Function):
         for group in ctx.groups:
             sums = collectives.all_reduce(sums, "sum", group)
         # dx = rstd * (dy - mean(dy) - xhat * mean(dy * xhat)): its shift and xhat's coefficient, per row
-        shift, xhat_coefficient = sums.view(2, 1, -1, 1) * (rstd / -count)
+        shift, xhat_coefficient = sums.view(2, 1, -1, 1) * (rstd / -ctx.count)
         grad_x = _dy_and_x_terms(grad_rows, xhat_rows, rstd, xhat_coefficient, shift, layout).view(grad.shape)
         return grad_x.to(slab.dtype), None, None, None
 
@@ -384,7 +450,7 @@ def _differentiated(ctx, grad: torch.Tensor, again: Callable[..., tuple]) -> lis
 def _channel_norm_again(ctx) -> tuple[torch.Tensor, tuple]:
     """Group, batch or instance norm of the saved slab (see :class:`_ChannelNorm`), differentiably."""
     x3, weight, bias = ctx.saved_tensors
-    layout, groups, total = ctx.layout, ctx.groups, ctx.stats[2]
+    layout, groups, total = ctx.layout, ctx.groups, ctx.total
     n, c, length = x3.shape
     per_group = (layout.groups, c // layout.groups)
     xd = x3.double()
@@ -404,7 +470,7 @@ def _channel_norm_again(ctx) -> tuple[torch.Tensor, tuple]:
 
 def _normalize_again(ctx) -> tuple[torch.Tensor, tuple]:
     """Layer norm's normalization of the saved slab (see :class:`_NormalizeGlobally`), differentiably."""
-    x, count, dims = ctx.saved_tensors[3], ctx.saved_tensors[2], ctx.dims
+    x, count, dims = ctx.saved_tensors[-1], ctx.count, ctx.dims
     xd = x.double()  # the forward's output is fp32 for a low-precision slab: see the return
     s1, s2 = sum_shares(torch.stack([xd.sum(dims, keepdim=True), xd.square().sum(dims, keepdim=True)]), ctx.groups)
     mean = s1 / count

@@ -33,45 +33,120 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def _reference(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64, the variance of the rows shifted by their first value (exact: the values are near it)."""
-    x = rows.double()
-    return x.mean(1), (x - x[:, :1]).var(1, correction=0).rsqrt()
+def _reference(x3: torch.Tensor, groups: int, per_sample: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 (means, variances) of the statistics of an (N, C, L) slab, each shifted by its
+    first value (exact: the values are near it)."""
+    x = x3.double()
+    n, c, _ = x.shape
+    stats = x.reshape(n * groups, -1) if per_sample else x.transpose(0, 1).reshape(c, -1)
+    return stats.mean(1), (stats - stats[:, :1]).var(1, correction=0)
+
+
+def _moments(x3: torch.Tensor, groups: int, per_sample: bool) -> tuple[float, torch.Tensor, torch.Tensor]:
+    packed = fused_cpu.norm_moments(x3, groups, per_sample)
+    stats = packed.numel() // 2
+    assert packed.dtype == torch.float64 and packed.shape == (1 + 2 * stats,)
+    return packed[0].item(), packed[1 : 1 + stats], packed[1 + stats :]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("length", [1, 7, 16, 2047, 2048, 2049, 5000])
-def test_row_moments_match_float64(dtype: torch.dtype, length: int) -> None:
-    rows = torch.randn(3, length, generator=torch.Generator().manual_seed(length), dtype=dtype) * 3 + 2
-    assert fused_cpu.usable(rows)
-    mean, rstd = fused_cpu.row_moments(rows)
-    expected_mean, expected_rstd = _reference(rows)
-    assert mean.dtype == rstd.dtype == torch.float64
-    tolerance = 1e-6 if dtype == torch.float32 else 1e-12
+@pytest.mark.parametrize("groups, per_sample", [(2, True), (6, True), (6, False)])
+def test_norm_moments_match_float64(dtype: torch.dtype, length: int, groups: int, per_sample: bool) -> None:
+    """Per (sample, group) over the group's channels, and per channel over the samples (batch norm)."""
+    x3 = torch.randn(3, 6, length, generator=torch.Generator().manual_seed(length), dtype=dtype) * 3 + 2
+    assert fused_cpu.usable(x3)
+    count, mean, var = _moments(x3, groups, per_sample)
+    expected_mean, expected_var = _reference(x3, groups, per_sample)
+    assert count == (6 // groups * length if per_sample else 3 * length)
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-12  # float32: blocks of 2048 summed in float32
     torch.testing.assert_close(mean, expected_mean, atol=tolerance, rtol=tolerance)
-    if length > 1:
-        torch.testing.assert_close(rstd, expected_rstd, atol=0, rtol=tolerance)
+    torch.testing.assert_close(var, expected_var, atol=0, rtol=4 * tolerance)
 
 
-def test_row_moments_far_from_zero_keep_the_variance() -> None:
+def test_norm_moments_far_from_zero_keep_the_variance() -> None:
     """1e4 + N(0, 1) in float32 (a plain sum of squares there loses the variance to cancellation),
     and 1e8 + N(0, 1) in float64."""
     for offset, dtype, tolerance in ((1e4, torch.float32, 1e-5), (1e8, torch.float64, 1e-9)):
-        rows = offset + torch.randn(4, 30000, generator=torch.Generator().manual_seed(1), dtype=dtype)
-        mean, rstd = fused_cpu.row_moments(rows)
-        expected_mean, expected_rstd = _reference(rows)
-        torch.testing.assert_close(mean, expected_mean, atol=0, rtol=1e-12)
-        torch.testing.assert_close(rstd, expected_rstd, atol=0, rtol=tolerance)
+        x3 = offset + torch.randn(2, 4, 15000, generator=torch.Generator().manual_seed(1), dtype=dtype)
+        for groups, per_sample in ((2, True), (4, False)):
+            _, mean, var = _moments(x3, groups, per_sample)
+            expected_mean, expected_var = _reference(x3, groups, per_sample)
+            torch.testing.assert_close(mean, expected_mean, atol=0, rtol=1e-12)
+            torch.testing.assert_close(var, expected_var, atol=0, rtol=2 * tolerance)
 
 
-def test_row_moments_of_constant_and_nan_rows() -> None:
-    rows = torch.randn(3, 100)
-    rows[0] = 0.25
-    rows[1, 17] = float("nan")
-    mean, rstd = fused_cpu.row_moments(rows)
-    assert mean[0] == 0.25 and rstd[0] == float("inf")
-    assert mean[1].isnan() and rstd[1].isnan()
-    assert rstd[2].isfinite()
+def test_norm_moments_of_constant_and_nan_statistics() -> None:
+    x3 = torch.randn(3, 1, 100)
+    x3[0] = 0.25
+    x3[1, 0, 17] = float("nan")
+    _, mean, var = _moments(x3, 1, True)
+    assert mean[0] == 0.25 and var[0] == 0
+    assert mean[1].isnan() and var[1].isnan()
+    assert var[2].isfinite()
+
+
+def _packed(counts: list[float], means: torch.Tensor, variances: torch.Tensor) -> torch.Tensor:
+    return torch.cat((torch.tensor(counts, dtype=torch.float64)[:, None], means, variances), 1).contiguous()
+
+
+def test_merge_moments_is_the_moments_of_the_union() -> None:
+    """Three ranks' statistics of unequal parts (one empty) merge into those of the whole."""
+    generator = torch.Generator().manual_seed(0)
+    parts = [torch.randn(4, size, generator=generator, dtype=torch.float64) * 2 + 5 for size in (30, 0, 70)]
+    gathered = _packed(
+        [float(p.shape[1]) for p in parts],
+        torch.stack([p.mean(1) if p.shape[1] else torch.zeros(4, dtype=torch.float64) for p in parts]),
+        torch.stack([p.var(1, correction=0) if p.shape[1] else torch.zeros(4, dtype=torch.float64) for p in parts]),
+    )
+    merged = fused_cpu.merge_moments(gathered)
+    whole = torch.cat(parts, 1)
+    assert merged[0] == 100
+    torch.testing.assert_close(merged[1:5], whole.mean(1), atol=1e-13, rtol=0)
+    torch.testing.assert_close(merged[5:], whole.var(1, correction=0), atol=1e-12, rtol=0)
+    nothing = fused_cpu.merge_moments(torch.zeros(2, 9, dtype=torch.float64))  # every part empty
+    assert torch.equal(nothing, torch.zeros(9, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("groups, per_sample", [(2, True), (6, False)])
+def test_norm_coefficients_normalize_and_differentiate(affine: bool, groups: int, per_sample: bool) -> None:
+    """y = scale * x + shift is the group (batch) norm, and dx = scale * dy + beta * x + gamma and the
+    parameter gradients are its gradients (against torch's own norm, in float64)."""
+    generator = torch.Generator().manual_seed(groups)
+    x3 = torch.randn(3, 6, 50, generator=generator, dtype=torch.float64) + 3
+    dy = torch.randn(3, 6, 50, generator=generator, dtype=torch.float64)
+    weight, bias = (torch.randn(6, generator=generator, dtype=torch.float64).requires_grad_(True) for _ in range(2))
+    packed = fused_cpu.norm_moments(x3, groups, per_sample)
+    w, b = (weight, bias) if affine else (None, None)
+    coefficients, rstd = fused_cpu.norm_coefficients(packed, w, b, 1e-5, (3, 6), groups, per_sample, torch.float64)
+    y = fused_cpu.row_affine(x3.view(18, 50), coefficients[0], coefficients[1]).view(3, 6, 50)
+    reference_x = x3.clone().requires_grad_(True)
+    if per_sample:
+        expected = F.group_norm(reference_x, groups, w, b, 1e-5)
+    else:
+        expected = F.batch_norm(reference_x, None, None, w, b, training=True, eps=1e-5)
+    torch.testing.assert_close(y, expected, atol=1e-12, rtol=0)
+    expected.backward(dy)
+    mean_rows = coefficients[2] if per_sample else coefficients[2, :6]
+    grid = (1, 18, 50) if per_sample else (3, 6, 50)
+    sums = fused_cpu.grad_sums(dy.view(grid), x3.view(grid), mean_rows)
+    terms, param_grads = fused_cpu.norm_grad_coefficients(sums, packed, rstd, w, 3, groups, per_sample, torch.float64)
+    dx = fused_cpu.two_term_affine(dy.view(18, 50), x3.view(18, 50), coefficients[0], terms[0], terms[1]).view(3, 6, 50)
+    torch.testing.assert_close(dx, reference_x.grad, atol=1e-12, rtol=0)
+    if affine:
+        torch.testing.assert_close(param_grads[0], weight.grad, atol=1e-12, rtol=0)
+        torch.testing.assert_close(param_grads[1], bias.grad, atol=1e-12, rtol=0)
+
+
+def test_norm_coefficients_refuse_mismatched_statistics() -> None:
+    packed = fused_cpu.norm_moments(torch.randn(2, 4, 10), 2, True)
+    with pytest.raises(RuntimeError, match="packed statistics"):
+        fused_cpu.norm_coefficients(packed, None, None, 1e-5, (3, 4), 2, True, torch.float32)
+    with pytest.raises(RuntimeError, match="per-channel parameter"):
+        fused_cpu.norm_coefficients(packed, torch.ones(3), None, 1e-5, (2, 4), 2, True, torch.float32)
+    with pytest.raises(RuntimeError, match="groups must divide"):
+        fused_cpu.norm_moments(torch.randn(2, 4, 10), 3, True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -153,7 +228,8 @@ def _norm_ops(enabled: bool) -> set[str]:
 
 def test_a_sharded_group_norm_takes_the_kernels_on_ranks() -> None:
     fused = run_on_ranks(2, _norm_ops, True)[0]
-    assert {"physics_dp::row_moments", "physics_dp::row_affine", "physics_dp::grad_sums", "physics_dp::two_term_affine"} <= fused
+    kernels = ("norm_moments", "merge_moments", "norm_coefficients", "row_affine", "grad_sums", "norm_grad_coefficients", "two_term_affine")
+    assert {f"physics_dp::{kernel}" for kernel in kernels} <= fused
     assert "aten::native_batch_norm_backward" not in fused
     assert "aten::native_group_norm" not in fused
     stock = run_on_ranks(2, _norm_ops, False)[0]

@@ -1,7 +1,9 @@
 // Fused CPU kernels for the sharded norms: what torch's CPU build lacks (its batch_norm_stats and
-// batch_norm_backward_elemt run on CUDA only), and per-row passes faster than the stock kernels
-// that would serve instead (eval-mode batch norm, batch norm's backward reduction).  One thread,
-// contiguous rows; built on first use by physics_dp/ops/fused_cpu.py.
+// batch_norm_backward_elemt run on CUDA only), per-row passes faster than the stock kernels that
+// would serve instead (eval-mode batch norm, batch norm's backward reduction), and the arithmetic on
+// the few statistics between them (the merge over ranks, the coefficients of the passes), one call
+// each where it took some twenty small tensor ops per norm.  One thread, contiguous rows; built on
+// first use by physics_dp/ops/fused_cpu.py.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -11,40 +13,82 @@
 #include <initializer_list>
 #include <limits>
 #include <tuple>
+#include <vector>
 
 namespace {
 
 constexpr int64_t kBlock = 2048;  // values summed in the rows' dtype before a float64 merge
 
-// Mean and 1 / std (biased) of each row of a contiguous (rows, length) tensor, read once.
-// Each block of kBlock values is summed in the input's dtype about a shift (the row's first value,
-// so that data far from zero keeps its variance); the blocks merge in float64 with Chan's formula.
+// Running moments of values about a shift: count, mean (relative to the shift) and the sum of
+// squared deviations.  Blocks of kBlock values are summed in the input's dtype about the shift (so
+// that data far from zero keeps its variance); the blocks merge in float64 with Chan's formula.
+struct Moments {
+  double count = 0, mean = 0, m2 = 0;
+};
+
 template <typename T>
-void row_moments_kernel(const T* data, int64_t rows, int64_t length, double* mean, double* rstd) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* row = data + r * length;
-    const T shift = row[0];
-    double count = 0, row_mean = 0, m2 = 0;
-    for (int64_t start = 0; start < length; start += kBlock) {
-      const int64_t end = std::min(length, start + kBlock);
-      T sum = 0, squares = 0;
+void add_run(const T* run, int64_t length, T shift, Moments& m) {
+  for (int64_t start = 0; start < length; start += kBlock) {
+    const int64_t end = std::min(length, start + kBlock);
+    T sum = 0, squares = 0;
 #pragma omp simd reduction(+ : sum, squares)
-      for (int64_t j = start; j < end; ++j) {
-        const T d = row[j] - shift;
-        sum += d;
-        squares += d * d;
-      }
-      const double n = double(end - start), block_mean = double(sum) / n;
-      const double block_m2 = std::max(0.0, double(squares) - double(sum) * block_mean);
-      const double total = count + n, delta = block_mean - row_mean;
-      row_mean += delta * n / total;
-      m2 += block_m2 + delta * delta * count * n / total;
-      count = total;
+    for (int64_t j = start; j < end; ++j) {
+      const T d = run[j] - shift;
+      sum += d;
+      squares += d * d;
     }
-    mean[r] = row_mean + double(shift);
-    const double var = m2 / count;
-    rstd[r] = var > 0 ? 1.0 / std::sqrt(var) : (var == 0 ? std::numeric_limits<double>::infinity() : var);
+    const double n = double(end - start), block_mean = double(sum) / n;
+    const double block_m2 = std::max(0.0, double(squares) - double(sum) * block_mean);
+    const double total = m.count + n, delta = block_mean - m.mean;
+    m.mean += delta * n / total;
+    m.m2 += block_m2 + delta * delta * m.count * n / total;
+    m.count = total;
   }
+}
+
+// The statistics of a contiguous (samples, channels, length) x, packed as [count, means, variances]
+// (biased) in float64.  Per sample: (sample, group) over the group's channels (one contiguous run
+// each); else per channel over every sample (one run per sample), the shift being each statistic's
+// first value.
+template <typename T>
+void norm_moments_kernel(const T* x, int64_t samples, int64_t channels, int64_t length, int64_t groups,
+                         bool per_sample, double* packed) {
+  const int64_t per_group = channels / groups, stats = per_sample ? samples * groups : channels;
+  double* means = packed + 1;
+  double* variances = packed + 1 + stats;
+  for (int64_t s = 0; s < stats; ++s) {
+    Moments m;
+    if (per_sample) {
+      const T* run = x + s * per_group * length;  // sample s / groups, group s % groups
+      add_run(run, per_group * length, run[0], m);
+    } else {
+      const T shift = x[s * length];
+      for (int64_t n = 0; n < samples; ++n) add_run(x + (n * channels + s) * length, length, shift, m);
+    }
+    means[s] = m.mean + double(per_sample ? x[s * per_group * length] : x[s * length]);
+    variances[s] = m.m2 / m.count;
+  }
+  packed[0] = double(per_sample ? per_group * length : samples * length);
+}
+
+// Chan's merge of per-rank packed statistics, the (ranks, 1 + 2 S) rows of `gathered`, into one
+// packed row: an empty part weighs nothing, an empty whole gives zeros.
+void merge_moments_kernel(const double* gathered, int64_t ranks, int64_t stats, double* packed) {
+  const int64_t width = 1 + 2 * stats;
+  double total = 0;
+  for (int64_t r = 0; r < ranks; ++r) total += gathered[r * width];
+  const double scale = 1.0 / std::max(total, 1.0);
+  for (int64_t s = 0; s < stats; ++s) {
+    double mean = 0, var = 0;
+    for (int64_t r = 0; r < ranks; ++r) mean += gathered[r * width] * scale * gathered[r * width + 1 + s];
+    for (int64_t r = 0; r < ranks; ++r) {
+      const double deviation = gathered[r * width + 1 + s] - mean;
+      var += gathered[r * width] * scale * (gathered[r * width + 1 + stats + s] + deviation * deviation);
+    }
+    packed[1 + s] = mean;
+    packed[1 + stats + s] = var;
+  }
+  packed[0] = total;
 }
 
 // out = a * u + b * v + c with (a, b, c) per row of the contiguous (rows, length) u and v.
@@ -119,15 +163,146 @@ void check_coefficients(const at::Tensor& u, std::initializer_list<const at::Ten
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> row_moments(const at::Tensor& rows) {
-  check_rows(rows, "rows");
-  const auto options = rows.options().dtype(at::kDouble);
-  auto mean = at::empty({rows.size(0)}, options), rstd = at::empty({rows.size(0)}, options);
-  AT_DISPATCH_FLOATING_TYPES(rows.scalar_type(), "row_moments", [&] {
-    row_moments_kernel<scalar_t>(rows.data_ptr<scalar_t>(), rows.size(0), rows.size(1),
-                                 mean.data_ptr<double>(), rstd.data_ptr<double>());
+void check_slab(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.is_contiguous() && x.numel() > 0,
+              name, " must be a non-empty contiguous CPU (samples, channels, length) tensor, got ", x.sizes());
+  check_float_or_double(x, name);
+}
+
+at::Tensor norm_moments(const at::Tensor& x, int64_t groups, bool per_sample) {
+  check_slab(x, "x");
+  TORCH_CHECK(groups > 0 && x.size(1) % groups == 0 && (per_sample || groups == x.size(1)),
+              "groups must divide the channels (and equal them for statistics over the samples), got ", groups);
+  const int64_t stats = per_sample ? x.size(0) * groups : groups;
+  auto packed = at::empty({1 + 2 * stats}, x.options().dtype(at::kDouble));
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "norm_moments", [&] {
+    norm_moments_kernel<scalar_t>(x.data_ptr<scalar_t>(), x.size(0), x.size(1), x.size(2), groups, per_sample,
+                                  packed.data_ptr<double>());
   });
-  return {mean, rstd};
+  return packed;
+}
+
+at::Tensor merge_moments(const at::Tensor& gathered) {
+  TORCH_CHECK(gathered.device().is_cpu() && gathered.dim() == 2 && gathered.is_contiguous() &&
+                  gathered.scalar_type() == at::kDouble && gathered.size(1) % 2 == 1,
+              "gathered must be a contiguous float64 (ranks, 1 + 2 S) CPU tensor, got ", gathered.sizes());
+  const int64_t stats = gathered.size(1) / 2;
+  auto packed = at::empty({gathered.size(1)}, gathered.options());
+  merge_moments_kernel(gathered.data_ptr<double>(), gathered.size(0), stats, packed.data_ptr<double>());
+  return packed;
+}
+
+// A per-channel parameter as float64 values (nullptr: none).
+struct Parameter {
+  at::Tensor values;
+  const double* data = nullptr;
+  Parameter(const c10::optional<at::Tensor>& param, int64_t channels) {
+    if (param.has_value() && param->defined()) {
+      TORCH_CHECK(param->numel() == channels, "a per-channel parameter must have ", channels, " values, got ", param->numel());
+      values = param->to(at::kDouble).contiguous();
+      data = values.data_ptr<double>();
+    }
+  }
+  double at(int64_t c, double otherwise) const { return data ? data[c] : otherwise; }
+};
+
+// Which statistic normalizes (sample n, channel c).
+struct StatIndex {
+  int64_t channels, per_group, groups;
+  bool per_sample;
+  int64_t operator()(int64_t n, int64_t c) const { return (per_sample ? n * groups : 0) + c / per_group; }
+};
+
+void check_packed(const at::Tensor& packed, int64_t stats) {
+  TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 1 && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kDouble && packed.size(0) == 1 + 2 * stats,
+              "packed statistics must be a contiguous float64 CPU tensor of 1 + 2 * ", stats, " values, got ", packed.sizes());
+}
+
+// The forward pass's coefficients from merged statistics: rows (scale, shift, mean) per (sample,
+// channel), in `dtype`, with y = scale * x + shift (scale = weight / std, shift = bias - mean * scale);
+// and 1 / std per statistic, float64.
+std::tuple<at::Tensor, at::Tensor> norm_coefficients(
+    const at::Tensor& packed, const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
+    double eps, int64_t samples, int64_t channels, int64_t groups, bool per_sample, at::ScalarType dtype) {
+  const int64_t stats = (per_sample ? samples : 1) * groups;
+  check_packed(packed, stats);
+  const Parameter w(weight, channels), b(bias, channels);
+  const StatIndex stat{channels, channels / groups, groups, per_sample};
+  const double* mean = packed.data_ptr<double>() + 1;
+  const double* var = mean + stats;
+  auto rstd = at::empty({stats}, packed.options());
+  double* r = rstd.data_ptr<double>();
+  for (int64_t s = 0; s < stats; ++s) r[s] = 1.0 / std::sqrt(var[s] + eps);
+  auto coefficients = at::empty({3, samples * channels}, packed.options());
+  double* out = coefficients.data_ptr<double>();
+  const int64_t width = samples * channels;
+  for (int64_t n = 0; n < samples; ++n) {
+    for (int64_t c = 0; c < channels; ++c) {
+      const int64_t s = stat(n, c), i = n * channels + c;
+      const double scale = r[s] * w.at(c, 1.0);
+      out[i] = scale;
+      out[width + i] = b.at(c, 0.0) - mean[s] * scale;
+      out[2 * width + i] = mean[s];
+    }
+  }
+  return {coefficients.to(dtype), rstd};
+}
+
+// The backward pass's coefficients from the all-reduced per-(sample, channel) sums of dy and
+// dy * (x - mean) (rows of `sums`; one row of channels for statistics over the samples): rows
+// (beta, gamma) per (sample, channel) in `dtype`, with dx = scale * dy + beta * x + gamma; and the
+// weight and bias gradients (sum of dy * xhat, sum of dy) per channel, float64.
+std::tuple<at::Tensor, at::Tensor> norm_grad_coefficients(
+    const at::Tensor& sums, const at::Tensor& packed, const at::Tensor& rstd, const c10::optional<at::Tensor>& weight,
+    int64_t samples, int64_t groups, bool per_sample, at::ScalarType dtype) {
+  const int64_t rows = per_sample ? samples : 1, stats = rows * groups;
+  TORCH_CHECK(sums.device().is_cpu() && sums.dim() == 2 && sums.size(0) == 2 && sums.size(1) % rows == 0 &&
+                  sums.is_contiguous() && sums.scalar_type() == at::kDouble,
+              "sums must be a contiguous float64 (2, ", rows, " * channels) CPU tensor, got ", sums.sizes());
+  check_packed(packed, stats);
+  TORCH_CHECK(rstd.numel() == stats && rstd.is_contiguous() && rstd.scalar_type() == at::kDouble,
+              "rstd must hold ", stats, " float64 values");
+  const int64_t channels = sums.size(1) / rows, per_group = channels / groups;
+  const Parameter w(weight, channels);
+  const double* sum_dy = sums.data_ptr<double>();
+  const double* sum_dy_xmu = sum_dy + rows * channels;
+  const double* mean = packed.data_ptr<double>() + 1;
+  const double* r = rstd.data_ptr<double>();
+  const double total = packed.data_ptr<double>()[0];
+  std::vector<double> beta(stats), gamma(stats);
+  for (int64_t s = 0; s < stats; ++s) {  // g = w * dy: sums of g and g * (x - mean) over the statistic, times -rstd / count
+    const int64_t first = (s / groups) * channels + (s % groups) * per_group;
+    double g = 0, g_xmu = 0;
+    for (int64_t j = 0; j < per_group; ++j) {
+      const double wc = w.at((s % groups) * per_group + j, 1.0);
+      g += sum_dy[first + j] * wc;
+      g_xmu += sum_dy_xmu[first + j] * wc;
+    }
+    const double k = r[s] / -total;
+    beta[s] = g_xmu * k * r[s] * r[s];
+    gamma[s] = g * k - beta[s] * mean[s];
+  }
+  const StatIndex stat{channels, per_group, groups, per_sample};
+  auto coefficients = at::empty({2, samples * channels}, sums.options());
+  double* out = coefficients.data_ptr<double>();
+  for (int64_t n = 0; n < samples; ++n) {
+    for (int64_t c = 0; c < channels; ++c) {
+      const int64_t s = stat(n, c), i = n * channels + c;
+      out[i] = beta[s];
+      out[samples * channels + i] = gamma[s];
+    }
+  }
+  auto param_grads = at::zeros({2, channels}, sums.options());
+  double* grad_weight = param_grads.data_ptr<double>();
+  double* grad_bias = grad_weight + channels;
+  for (int64_t row = 0; row < rows; ++row) {
+    for (int64_t c = 0; c < channels; ++c) {
+      grad_weight[c] += sum_dy_xmu[row * channels + c] * r[row * groups + c / per_group];
+      grad_bias[c] += sum_dy[row * channels + c];
+    }
+  }
+  return {coefficients.to(dtype), param_grads};
 }
 
 at::Tensor two_term_affine(const at::Tensor& u, const at::Tensor& v, const at::Tensor& a,
@@ -175,14 +350,20 @@ at::Tensor grad_sums(const at::Tensor& g, const at::Tensor& x, const at::Tensor&
 
 // Registered with the dispatcher (torch.ops.physics_dp.*), so that profilers and dispatch modes see them.
 TORCH_LIBRARY(physics_dp, m) {
-  m.def("row_moments(Tensor rows) -> (Tensor mean, Tensor rstd)");
+  m.def("norm_moments(Tensor x, int groups, bool per_sample) -> Tensor");
+  m.def("merge_moments(Tensor gathered) -> Tensor");
+  m.def("norm_coefficients(Tensor packed, Tensor? weight, Tensor? bias, float eps, int samples, int channels, int groups, bool per_sample, ScalarType dtype) -> (Tensor, Tensor)");
+  m.def("norm_grad_coefficients(Tensor sums, Tensor packed, Tensor rstd, Tensor? weight, int samples, int groups, bool per_sample, ScalarType dtype) -> (Tensor, Tensor)");
   m.def("two_term_affine(Tensor u, Tensor v, Tensor a, Tensor b, Tensor c) -> Tensor");
   m.def("row_affine(Tensor x, Tensor a, Tensor b) -> Tensor");
   m.def("grad_sums(Tensor g, Tensor x, Tensor mean) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(physics_dp, CPU, m) {
-  m.impl("row_moments", &row_moments);
+  m.impl("norm_moments", &norm_moments);
+  m.impl("merge_moments", &merge_moments);
+  m.impl("norm_coefficients", &norm_coefficients);
+  m.impl("norm_grad_coefficients", &norm_grad_coefficients);
   m.impl("two_term_affine", &two_term_affine);
   m.impl("row_affine", &row_affine);
   m.impl("grad_sums", &grad_sums);
