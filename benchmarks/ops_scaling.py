@@ -116,7 +116,7 @@ CASES = [
         _plain(lambda t: F.fold(F.unfold(t, 3, padding=1), t.shape[-2:], 3, padding=1)),
     ),
     Case("pad circular 2", (1, 32, 256, 256), 2, (2, 2), "memory", _plain(lambda t: F.pad(t, (2, 2, 2, 2), mode="circular"))),
-    Case("fft2 |.|", (4, 16, 256, 256), 2, (0, 0), "memory", _plain(lambda t: torch.fft.fft2(t).abs())),
+    Case("fft2, then abs", (4, 16, 256, 256), 2, (0, 0), "memory", _plain(lambda t: torch.fft.fft2(t).abs())),
     Case("attention (1,4,4096,32) ring", (1, 4, 4096, 32), 2, (0, 0), "compute", _plain(_attention), slab_attends_to_all=True),
     Case("mean of squares over H,W", (4, 32, 256, 256), 2, (0, 0), "memory", _plain(lambda t: t.square().mean((2, 3)))),
     Case(

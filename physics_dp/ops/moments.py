@@ -27,7 +27,8 @@ from ..distributed.tracing import is_tracing
 from . import fused_cpu
 
 __all__ = [
-    "exact_local_moments", "merge_moments", "merge_packed", "global_moments", "row_moments", "row_parts", "LOW_PRECISION",
+    "exact_local_moments", "merge_moments", "merge_packed", "unpacked", "global_moments", "row_moments", "row_parts",
+    "LOW_PRECISION",
 ]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)

@@ -208,7 +208,7 @@ class _ChannelNorm(torch.autograd.Function):
     (one fused pass), all-reduced in one message, give dx = a * dy + beta * x + gamma
     (:func:`_dy_and_x_terms`) and the weight and bias gradients in closed form (already summed
     over the ranks that share the statistics).  Where :mod:`.fused_cpu` serves, each step is one
-    of its kernels (``_channel_norm_on_cpu_kernels``).
+    of its kernels (:func:`_normalize_on_cpu_kernels`).
     """
 
     @staticmethod
@@ -244,8 +244,11 @@ class _ChannelNorm(torch.autograd.Function):
         if not ctx.on_cpu_kernels:
             return (*_channel_norm_backward_on_stock_kernels(ctx, grad), None, None, None)
         x3, weight, _ = ctx.saved_tensors
-        needs = (ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
-        grad_x, grad_weight, grad_bias = _normalize_backward_on_cpu_kernels(grad, x3, weight, ctx.stats, ctx.layout, ctx.groups, needs)
+        needs = (ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1],
+                 ctx.has_bias and ctx.needs_input_grad[2])
+        grad_x, grad_weight, grad_bias = _normalize_backward_on_cpu_kernels(
+            grad, x3, weight, ctx.stats, ctx.layout, ctx.groups, needs
+        )
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         return grad_x, grad_weight, None if grad_bias is None else grad_bias.to(grad.dtype), None, None, None
 
@@ -308,7 +311,9 @@ def _normalize_on_cpu_kernels(
     Returns y and the statistics the backward takes (packed moments, 1 / std, coefficients)."""
     n, channels, length = x3.shape
     packed = merge_packed(fused_cpu.norm_moments(x3, layout.groups, layout.per_sample), groups)
-    coefficients, rstd = fused_cpu.norm_coefficients(packed, weight, bias, eps, (n, channels), layout.groups, layout.per_sample, x3.dtype)
+    coefficients, rstd = fused_cpu.norm_coefficients(
+        packed, weight, bias, eps, (n, channels), layout.groups, layout.per_sample, x3.dtype
+    )
     y = fused_cpu.row_affine(x3.view(n * channels, length), coefficients[0], coefficients[1]).view(n, channels, length)
     return y, (packed, rstd, coefficients)
 
@@ -329,10 +334,13 @@ def _normalize_backward_on_cpu_kernels(
         sums = fused_cpu.grad_sums(grad, x3, coefficients[2, :channels])
     for group in groups:
         sums = collectives.all_reduce(sums, "sum", group)
-    terms, param_grads = fused_cpu.norm_grad_coefficients(sums, packed, rstd, weight, n, layout.groups, layout.per_sample, x3.dtype)
+    terms, param_grads = fused_cpu.norm_grad_coefficients(
+        sums, packed, rstd, weight, n, layout.groups, layout.per_sample, x3.dtype
+    )
     grad_x = None
     if needs[0]:
-        grad_x = fused_cpu.two_term_affine(grad.view(rows), x3.view(rows), coefficients[0], terms[0], terms[1]).view(n, channels, length)
+        grad_x = fused_cpu.two_term_affine(grad.view(rows), x3.view(rows), coefficients[0], terms[0], terms[1])
+        grad_x = grad_x.view(n, channels, length)
     return grad_x, param_grads[0] if needs[1] else None, param_grads[1] if needs[2] else None
 
 

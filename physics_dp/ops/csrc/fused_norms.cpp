@@ -225,6 +225,7 @@ void check_packed(const at::Tensor& packed, int64_t stats) {
 std::tuple<at::Tensor, at::Tensor> norm_coefficients(
     const at::Tensor& packed, const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
     double eps, int64_t samples, int64_t channels, int64_t groups, bool per_sample, at::ScalarType dtype) {
+  TORCH_CHECK(groups > 0 && channels % groups == 0, "groups must divide the channels, got ", groups, " and ", channels);
   const int64_t stats = (per_sample ? samples : 1) * groups;
   check_packed(packed, stats);
   const Parameter w(weight, channels), b(bias, channels);
@@ -263,7 +264,9 @@ std::tuple<at::Tensor, at::Tensor> norm_grad_coefficients(
   check_packed(packed, stats);
   TORCH_CHECK(rstd.numel() == stats && rstd.is_contiguous() && rstd.scalar_type() == at::kDouble,
               "rstd must hold ", stats, " float64 values");
-  const int64_t channels = sums.size(1) / rows, per_group = channels / groups;
+  const int64_t channels = sums.size(1) / rows;
+  TORCH_CHECK(groups > 0 && channels % groups == 0, "groups must divide the channels, got ", groups, " and ", channels);
+  const int64_t per_group = channels / groups;
   const Parameter w(weight, channels);
   const double* sum_dy = sums.data_ptr<double>();
   const double* sum_dy_xmu = sum_dy + rows * channels;
