@@ -6,7 +6,9 @@ loopback each costs 0.5-2 ms, mostly thread wake-ups; through shared pages a tin
 20-50 us (``benchmarks/collective_latency.py``).  All-reduces and all-to-alls larger than a slot
 run in rounds of one slot each (the gradient buckets, FFT pencil transposes: an 8 MiB all-to-all
 between 2 ranks takes 4.6 ms instead of 11.9 over gloo).  Point-to-point messages larger than a
-slot stay on gloo.
+slot stay on gloo; a small group's message slots are large where ``/dev/shm`` has room (4 MiB
+between 2 ranks, 1 MiB among 4: a ring-attention K/V block of the StormCast step, 1.5 MiB, took
+1.8 ms to send over gloo and about 0.2 ms through a slot), else 512 KiB.
 
 Each group gets one segment in ``/dev/shm``: a header of counters (each in its own cache line)
 and two regions of double-buffered slots.
@@ -69,7 +71,9 @@ __all__ = [
 
 ENABLE_ENV_VAR = "PHYSICS_DP_HOST_CHANNEL"
 SLOT_BYTES = 1024 * 1024  # per rank and collective
-MESSAGE_SLOT_BYTES = 512 * 1024  # per ordered pair and message
+MESSAGE_SLOT_BYTES = 512 * 1024  # per ordered pair and message, at least
+_MAILBOX_BYTES = 32 * 1024 * 1024  # a small group's message slots together, where /dev/shm has room
+_SHM_HEADROOM = 16  # that room: this many times the segment free (Docker's default 64 MB is not)
 _BANKS = 2
 _COUNTER_STRIDE = 8  # int64 entries between two counters: one cache line each
 _MAX_RANKS = 8  # larger groups (several hosts, or unusual) keep gloo
@@ -88,16 +92,20 @@ class HostChannel:
     job that evaluated under ``torch.inference_mode()`` first could not train afterwards.
     """
 
-    def __init__(self, mapping: mmap.mmap, rank: int, world: int, peer_pids: list[int], timeout_s: float) -> None:
+    def __init__(
+        self, mapping: mmap.mmap, rank: int, world: int, peer_pids: list[int], timeout_s: float, message_bytes: int
+    ) -> None:
         self._mapping = mapping
         self.rank, self.world = rank, world
+        self.message_bytes = message_bytes  # the largest point-to-point message a slot holds
         header = _header_bytes(world)
         self._counters = memoryview(mapping)[:header].cast("q")
         collective_bytes = _BANKS * world * SLOT_BYTES
         with torch.inference_mode(False):
-            memory = torch.frombuffer(mapping, dtype=torch.uint8, offset=header, count=_segment_bytes(world) - header)
+            count = _segment_bytes(world, message_bytes) - header
+            memory = torch.frombuffer(mapping, dtype=torch.uint8, offset=header, count=count)
             self._banks = memory[:collective_bytes].view(_BANKS, world, SLOT_BYTES)
-            self._mailboxes = memory[collective_bytes:].view(world * world * _BANKS, MESSAGE_SLOT_BYTES)  # [sender][receiver][bank]
+            self._mailboxes = memory[collective_bytes:].view(world * world * _BANKS, message_bytes)  # [sender][receiver][bank]
         self._typed_banks: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # (bank, dtype) -> (world, slot) view
         self._typed_mailboxes: dict[torch.dtype, torch.Tensor] = {}  # dtype -> the mailboxes as rows of that dtype
         self._peers = [p for p in range(world) if p != rank]
@@ -357,9 +365,10 @@ def opened_channel(group: ProcessGroup, device: torch.device, nbytes: int) -> Ho
 
     Never opens one: a point-to-point call need not be made by every rank of the group.
     """
-    if _over_c10d or device.type != "cpu" or nbytes > MESSAGE_SLOT_BYTES or is_tracing():
+    if _over_c10d or device.type != "cpu" or is_tracing():
         return None
-    return _channels.get(group)
+    channel = _channels.get(group)
+    return channel if channel is not None and nbytes <= channel.message_bytes else None
 
 
 _over_c10d = False
@@ -402,13 +411,13 @@ def _open(group: ProcessGroup) -> HostChannel | None:
     """Rank 0 creates the segment; every rank maps it and checks a token; all agree or none uses it."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     willing = os.environ.get(ENABLE_ENV_VAR, "1") != "0" and platform.machine().lower() in ("x86_64", "amd64")
-    size = _segment_bytes(world)
-    path, token = None, secrets.token_hex(16)
+    path, token, message_bytes = None, secrets.token_hex(16), MESSAGE_SLOT_BYTES
     if rank == 0 and willing:
-        path = _create_segment(size, token)
+        path, message_bytes = _create_segment_for(world, token)
     offers: list = [None] * world
-    dist.all_gather_object(offers, (path, token, os.getpid()), group=group)
-    root_path, root_token, _ = offers[0]
+    dist.all_gather_object(offers, (path, token, os.getpid(), message_bytes), group=group)
+    root_path, root_token, _, message_bytes = offers[0]
+    size = _segment_bytes(world, message_bytes)
     mapping = _map_segment(root_path, size, root_token) if willing and root_path else None
     agreed = torch.tensor([1 if mapping is not None else 0], dtype=torch.int32)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
@@ -418,8 +427,8 @@ def _open(group: ProcessGroup) -> HostChannel | None:
         if mapping is not None:
             mapping.close()
         return None
-    pids = [pid if _process_alive(pid) else 0 for _, _, pid in offers]  # 0: not visible here, not checked
-    return HostChannel(mapping, rank, world, pids, DistributedManager().timeout_s)
+    pids = [pid if _process_alive(pid) else 0 for _, _, pid, _ in offers]  # 0: not visible here, not checked
+    return HostChannel(mapping, rank, world, pids, DistributedManager().timeout_s, message_bytes)
 
 
 def _header_bytes(world: int) -> int:
@@ -427,8 +436,37 @@ def _header_bytes(world: int) -> int:
     return -(-counters * _COUNTER_STRIDE * 8 // 4096) * 4096
 
 
-def _segment_bytes(world: int) -> int:
-    return _header_bytes(world) + _BANKS * world * SLOT_BYTES + world * world * _BANKS * MESSAGE_SLOT_BYTES
+def _segment_bytes(world: int, message_bytes: int) -> int:
+    return _header_bytes(world) + _BANKS * world * SLOT_BYTES + world * world * _BANKS * message_bytes
+
+
+def _message_slot_choices(world: int) -> list[int]:
+    """Message slot sizes to try, largest first: the group's share of ``_MAILBOX_BYTES`` (4 MiB
+    between 2 ranks, 1 MiB among 4), then ``MESSAGE_SLOT_BYTES``."""
+    share = _MAILBOX_BYTES // (world * world * _BANKS) // 4096 * 4096
+    return [share, MESSAGE_SLOT_BYTES] if share > MESSAGE_SLOT_BYTES else [MESSAGE_SLOT_BYTES]
+
+
+def _shm_free_bytes() -> int:
+    try:
+        stats = os.statvfs(_SHM_DIR)
+    except OSError:
+        return 0
+    return stats.f_bavail * stats.f_frsize
+
+
+def _create_segment_for(world: int, token: str) -> tuple[str | None, int]:
+    """(path, message slot bytes) of a new segment: large slots only where ``/dev/shm`` keeps
+    ``_SHM_HEADROOM`` times the segment free, so that data loaders and other groups sharing it
+    still find room."""
+    for message_bytes in _message_slot_choices(world):
+        size = _segment_bytes(world, message_bytes)
+        if message_bytes != MESSAGE_SLOT_BYTES and _shm_free_bytes() < _SHM_HEADROOM * size:
+            continue
+        path = _create_segment(size, token)
+        if path is not None:
+            return path, message_bytes
+    return None, MESSAGE_SLOT_BYTES
 
 
 def _create_segment(size: int, token: str) -> str | None:

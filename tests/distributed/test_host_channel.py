@@ -304,10 +304,13 @@ def _ring_messages() -> dict:
     checks.append(torch.equal(first.wait()[prv], torch.full((3,), float(prv))))
     checks.append(torch.equal(second.wait()[prv], torch.full((3,), prv + 0.5)))
     through_channel = [a - b for a, b in zip(channel._sent, before)]
-    big = torch.full((host_channel.MESSAGE_SLOT_BYTES // 8 + 1,), float(rank), dtype=torch.float64)
+    big = torch.full((channel.message_bytes // 8 + 1,), float(rank), dtype=torch.float64)
     got = collectives.exchange_with_neighbours({nxt: big}, {prv: big.shape}, group, dtype=big.dtype, device=big.device)
     checks.append(torch.equal(got[prv], torch.full_like(big, float(prv))))
-    return {"checks": checks, "through channel": through_channel[nxt], "after big": channel._sent[nxt] - before[nxt]}
+    return {
+        "checks": checks, "through channel": through_channel[nxt], "after big": channel._sent[nxt] - before[nxt],
+        "message bytes": channel.message_bytes,
+    }
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -316,6 +319,30 @@ def test_point_to_point_messages_go_through_the_channel_up_to_its_slot(world):
         assert all(result["checks"]), result["checks"]
         assert result["through channel"] == 6  # four dtypes, two in flight together
         assert result["after big"] == 6  # the message over a slot went over gloo
+        # the group's share of 32 MiB (4 MiB between 2 ranks, 1.8 MiB among 3) where /dev/shm has room
+        assert result["message bytes"] in ({2: 4 * 2**20, 3: 455 * 4096}[world], 512 * 2**10)
+
+
+def _message_slots_by_room(free_bytes: int) -> int:
+    import torch.distributed as dist
+
+    from physics_dp.distributed import collectives, host_channel
+
+    saved = host_channel._shm_free_bytes
+    host_channel._shm_free_bytes = lambda: free_bytes
+    try:
+        group = dist.new_group([0, 1])
+        collectives.all_reduce(torch.ones(1), "sum", group)  # opens the group's channel
+        return host_channel._channels[group].message_bytes
+    finally:
+        host_channel._shm_free_bytes = saved
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_large_message_slots_only_where_dev_shm_has_room():
+    """Docker's default /dev/shm (64 MB) keeps the small slots, leaving room for data loaders."""
+    assert run_on_ranks(2, _message_slots_by_room, 64 * 2**20) == [512 * 2**10] * 2
+    assert run_on_ranks(2, _message_slots_by_room, 2**40) == [4 * 2**20] * 2
 
 
 def _destroyed_group_is_released() -> tuple[bool, bool]:
