@@ -184,6 +184,41 @@ def test_ring_backward_sends_blocks_ahead_and_gradient_sums_behind(world):
         assert sent == expected
 
 
+def _ring_block_routes() -> dict:
+    """Messages of a ring over 1 MiB K/V blocks (2 ranks): through the host channel, or over gloo."""
+    import torch.distributed as dist
+
+    from physics_dp.distributed import host_channel
+
+    mesh = get_mesh((2,))
+    group = mesh.get_group(0)
+    channel = host_channel._channels[group]
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 2048, 64, generator=generator) for _ in range(3))
+    qs, ks, vs = (distribute_tensor(x, mesh, [Shard(2)]).requires_grad_(True) for x in (q, k, v))
+    over_gloo = []
+    saved = dist.batch_isend_irecv
+    dist.batch_isend_irecv = lambda ops: over_gloo.append(len(ops)) or saved(ops)
+    try:
+        before = channel._sent[1 - dist.get_rank(group)]
+        out = F.scaled_dot_product_attention(qs, ks, vs)
+        out.backward(torch.ones_like(out))
+        through_channel = channel._sent[1 - dist.get_rank(group)] - before
+    finally:
+        dist.batch_isend_irecv = saved
+    block_bytes = 2 * 1024 * 128 * 4  # heads * tokens * (E_k + E_v) * fp32
+    return {"fits": block_bytes <= channel.message_bytes, "channel": through_channel, "gloo calls": len(over_gloo)}
+
+
+def test_ring_blocks_over_the_small_slot_go_through_shared_memory_where_slots_hold_them():
+    """Blocks of 1 MiB, over the 512 KiB slot of old: 4 messages per rank (1 forward, 3 backward)
+    go through the host channel wherever its message slots hold them (4 MiB between 2 ranks when
+    /dev/shm has room; over gloo's sockets one took 1.8 ms), else over gloo."""
+    for result in run_on_ranks(2, _ring_block_routes):
+        expected = {"channel": 4, "gloo calls": 0} if result["fits"] else {"channel": 0, "gloo calls": 4}
+        assert {key: result[key] for key in expected} == expected, result
+
+
 def _rejects_dropout():
     mesh = get_mesh((2,))
     q, k, v = (distribute_tensor(x, mesh, [Shard(2)]) for x in _qkv())
