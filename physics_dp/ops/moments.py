@@ -168,8 +168,7 @@ def merge_moments(
     if not groups:  # statistics of the slab alone (e.g. to be averaged over a split batch): float64 all the same
         return total, mean.double(), var.double()
     if fused_cpu.usable(mean, var):
-        total, mean, var = unpacked(merge_packed(torch.cat((total, mean, var)), groups))
-        return total, mean, var
+        return unpacked(merge_packed(torch.cat((total, mean, var)), groups))
     size = mean.numel()
     for group in groups:
         gathered = collectives.all_gather_rows(torch.cat((total, mean, var)), group)  # promoted to float64

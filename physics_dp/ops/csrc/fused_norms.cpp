@@ -57,15 +57,14 @@ void norm_moments_kernel(const T* x, int64_t samples, int64_t channels, int64_t 
   double* means = packed + 1;
   double* variances = packed + 1 + stats;
   for (int64_t s = 0; s < stats; ++s) {
+    const T* first = x + (per_sample ? s * per_group : s) * length;  // (sample s / groups, group s % groups), or channel s
     Moments m;
     if (per_sample) {
-      const T* run = x + s * per_group * length;  // sample s / groups, group s % groups
-      add_run(run, per_group * length, run[0], m);
+      add_run(first, per_group * length, first[0], m);
     } else {
-      const T shift = x[s * length];
-      for (int64_t n = 0; n < samples; ++n) add_run(x + (n * channels + s) * length, length, shift, m);
+      for (int64_t n = 0; n < samples; ++n) add_run(first + n * channels * length, length, first[0], m);
     }
-    means[s] = m.mean + double(per_sample ? x[s * per_group * length] : x[s * length]);
+    means[s] = m.mean + double(first[0]);
     variances[s] = m.m2 / m.count;
   }
   packed[0] = double(per_sample ? per_group * length : samples * length);
@@ -208,7 +207,7 @@ struct Parameter {
 
 // Which statistic normalizes (sample n, channel c).
 struct StatIndex {
-  int64_t channels, per_group, groups;
+  int64_t per_group, groups;
   bool per_sample;
   int64_t operator()(int64_t n, int64_t c) const { return (per_sample ? n * groups : 0) + c / per_group; }
 };
@@ -229,7 +228,7 @@ std::tuple<at::Tensor, at::Tensor> norm_coefficients(
   const int64_t stats = (per_sample ? samples : 1) * groups;
   check_packed(packed, stats);
   const Parameter w(weight, channels), b(bias, channels);
-  const StatIndex stat{channels, channels / groups, groups, per_sample};
+  const StatIndex stat{channels / groups, groups, per_sample};
   const double* mean = packed.data_ptr<double>() + 1;
   const double* var = mean + stats;
   auto rstd = at::empty({stats}, packed.options());
@@ -286,7 +285,7 @@ std::tuple<at::Tensor, at::Tensor> norm_grad_coefficients(
     beta[s] = g_xmu * k * r[s] * r[s];
     gamma[s] = g * k - beta[s] * mean[s];
   }
-  const StatIndex stat{channels, per_group, groups, per_sample};
+  const StatIndex stat{per_group, groups, per_sample};
   auto coefficients = at::empty({2, samples * channels}, sums.options());
   double* out = coefficients.data_ptr<double>();
   for (int64_t n = 0; n < samples; ++n) {
