@@ -168,10 +168,14 @@ void check_slab(const at::Tensor& x, const char* name) {
   check_float_or_double(x, name);
 }
 
+void check_groups(int64_t groups, int64_t channels) {
+  TORCH_CHECK(groups > 0 && channels % groups == 0, "groups must divide the channels, got ", groups, " and ", channels);
+}
+
 at::Tensor norm_moments(const at::Tensor& x, int64_t groups, bool per_sample) {
   check_slab(x, "x");
-  TORCH_CHECK(groups > 0 && x.size(1) % groups == 0 && (per_sample || groups == x.size(1)),
-              "groups must divide the channels (and equal them for statistics over the samples), got ", groups);
+  check_groups(groups, x.size(1));
+  TORCH_CHECK(per_sample || groups == x.size(1), "statistics over the samples take one group per channel, got ", groups);
   const int64_t stats = per_sample ? x.size(0) * groups : groups;
   auto packed = at::empty({1 + 2 * stats}, x.options().dtype(at::kDouble));
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "norm_moments", [&] {
@@ -224,7 +228,7 @@ void check_packed(const at::Tensor& packed, int64_t stats) {
 std::tuple<at::Tensor, at::Tensor> norm_coefficients(
     const at::Tensor& packed, const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
     double eps, int64_t samples, int64_t channels, int64_t groups, bool per_sample, at::ScalarType dtype) {
-  TORCH_CHECK(groups > 0 && channels % groups == 0, "groups must divide the channels, got ", groups, " and ", channels);
+  check_groups(groups, channels);
   const int64_t stats = (per_sample ? samples : 1) * groups;
   check_packed(packed, stats);
   const Parameter w(weight, channels), b(bias, channels);
@@ -264,7 +268,7 @@ std::tuple<at::Tensor, at::Tensor> norm_grad_coefficients(
   TORCH_CHECK(rstd.numel() == stats && rstd.is_contiguous() && rstd.scalar_type() == at::kDouble,
               "rstd must hold ", stats, " float64 values");
   const int64_t channels = sums.size(1) / rows;
-  TORCH_CHECK(groups > 0 && channels % groups == 0, "groups must divide the channels, got ", groups, " and ", channels);
+  check_groups(groups, channels);
   const int64_t per_group = channels / groups;
   const Parameter w(weight, channels);
   const double* sum_dy = sums.data_ptr<double>();
@@ -334,10 +338,9 @@ at::Tensor row_affine(const at::Tensor& x, const at::Tensor& a, const at::Tensor
 }
 
 at::Tensor grad_sums(const at::Tensor& g, const at::Tensor& x, const at::Tensor& mean) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.is_contiguous() && g.sizes() == x.sizes() && g.is_contiguous(),
-              "g and x must be contiguous CPU (samples, channels, length) tensors of one shape, got ", g.sizes(), " and ", x.sizes());
-  check_float_or_double(x, "x");
-  TORCH_CHECK(g.scalar_type() == x.scalar_type(), "g must have x's dtype");
+  check_slab(x, "x");
+  TORCH_CHECK(g.sizes() == x.sizes() && g.is_contiguous() && g.scalar_type() == x.scalar_type(),
+              "g must be contiguous and match x's shape and dtype, got ", g.sizes(), " and ", x.sizes());
   TORCH_CHECK(mean.dim() == 1 && mean.size(0) == x.size(1) && mean.is_contiguous() && mean.scalar_type() == x.scalar_type(),
               "mean must be a contiguous (channels,) tensor of x's dtype");
   auto sums = at::empty({2, x.size(1)}, x.options().dtype(at::kDouble));
