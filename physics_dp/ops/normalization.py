@@ -402,7 +402,7 @@ class _NormalizeGlobally(torch.autograd.Function):
         ctx.on_cpu_kernels = fused_cpu.usable(rows)
         if ctx.on_cpu_kernels:  # the backward then reads x itself: the channel norms' kernel path
             xhat, ctx.stats = _normalize_on_cpu_kernels(rows, None, None, layout, groups, eps)
-            ctx.count = ctx.stats[0][:1]
+            ctx.count = unpacked(ctx.stats[0])[0]
             ctx.save_for_backward(rows, slab)
             return xhat.view(x.shape)
         count, mean, var, local = layout.local_moments(rows)
