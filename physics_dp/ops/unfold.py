@@ -27,13 +27,16 @@ send nothing).
 
 A 'same' stencil of stride 1 along the one split spatial dim (3 x 3 with padding 1, the usual case)
 takes :mod:`.halo_unfold` instead, both ways: torch's im2col and col2im on the slab itself, with
-strips for the boundary positions, so neither copies the slab.
+strips for the boundary positions, so neither copies the slab.  Its plan (the geometry and the
+output's layout) is made once per call signature (:mod:`.call_plans`): made at each call, it cost
+0.13 ms of unfold's forward and 0.07 ms of fold's at (1, 16, 128, 128) on 2 ranks.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +46,7 @@ from ..shard_tensor.dispatch import run_default
 from ..shard_tensor.fallback import propagate_and_run
 from ._args import bind, per_dim, single_device_shape
 from ._local import local_input, sharded_axes, wrap_local_as
+from .call_plans import HaloPlan, PlanCache, hashable, layout_key
 from .conv import check_stencil_layout, conv_output_split, conv_windows, window_inside
 from .halo import Window, scatter_window
 from .halo_unfold import HaloUnfoldGeometry, halo_fold, halo_unfold, halo_unfold_geometry
@@ -55,6 +59,20 @@ __all__: list[str] = []
 _NAMES = ("input", "kernel_size", "dilation", "padding", "stride")
 _FOLD_NAMES = ("input", "output_size", "kernel_size", "dilation", "padding", "stride")
 _DEFAULTS = {"dilation": 1, "padding": 0, "stride": 1}
+
+
+# ----- the 'same'-stencil paths, planned once per call signature (:mod:`.call_plans`) -----------
+_HALO_PLANS = PlanCache()
+
+
+def _cached_plan(func: Any, bound: dict[str, Any], build: Callable[[dict[str, Any]], HaloPlan | None]) -> HaloPlan | None:
+    """The cached :mod:`.halo_unfold` plan of this call (None: the general path); a plain input takes
+    the general path, whose checks name the problem."""
+    x = bound["input"]
+    if not isinstance(x, ShardTensor):
+        return None
+    key = (func, layout_key(x), *(hashable(value) for name, value in bound.items() if name != "input"))
+    return _HALO_PLANS.plan(key, x.device_mesh, lambda: build(bound))
 
 
 def _stencils(bound: dict[str, Any]) -> list[Stencil]:
@@ -96,21 +114,45 @@ def _halo_geometry(spec: ShardTensorSpec, stencils: list[Stencil], first_spatial
     return None if geometry is None else (geometry, axis)
 
 
-def _unfold(*args: Any, **kwargs: Any) -> ShardTensor:
-    bound = bind(_NAMES, args, kwargs, _DEFAULTS)
-    x = bound["input"]
-    check_stencil_layout("unfold", x, (), None)
-    single_device_shape(F.unfold, bound)  # torch's own checks and errors for the arguments
-    stencils = _stencils(bound)
-    blocks, axis_sizes = _unfold_local(local_input(x), x, stencils)
+def _unfold_specs(x: ShardTensor, stencils: list[Stencil], axis_sizes: list) -> tuple[ShardTensorSpec, ShardTensorSpec | None]:
+    """The output's layout as (…, C, K, Ho, Wo) blocks, and as the flat (…, C * K, Ho * Wo) when
+    flattening moves no rows (else None)."""
     channel = x.ndim - 3  # (N, C, H, W) or unbatched (C, H, W)
     taps = math.prod(s.kernel for s in stencils)
     grid = tuple(s.positions(x.shape[d]) for d, s in zip(range(x.ndim - 2, x.ndim), stencils))
     placements = [Shard(p.dim + (p.dim > channel)) if type(p) is Shard else p for p in x.placements]
     spec = ShardTensorSpec(x.device_mesh, placements, (*x.shape[: channel + 1], taps, *grid), axis_sizes)
-    flat = view_spec_in_place(spec, (*x.shape[:channel], x.shape[channel] * taps, math.prod(grid)))
+    return spec, view_spec_in_place(spec, (*x.shape[:channel], x.shape[channel] * taps, math.prod(grid)))
+
+
+def _halo_unfold_plan(bound: dict[str, Any]) -> HaloPlan | None:
+    """:mod:`.halo_unfold`'s path for this call, where it applies and its output is the flat layout."""
+    x = bound["input"]
+    check_stencil_layout("unfold", x, (), None)
+    single_device_shape(F.unfold, bound)  # torch's own checks and errors for the arguments
+    stencils = _stencils(bound)
+    halo = _halo_geometry(x._spec, stencils, x.ndim - 2)
+    if halo is None:
+        return None
+    _, flat = _unfold_specs(x, stencils, list(x._spec.axis_sizes))
+    return None if flat is None else HaloPlan(halo[0], halo[1], flat)
+
+
+def _unfold(*args: Any, **kwargs: Any) -> ShardTensor:
+    bound = bind(_NAMES, args, kwargs, _DEFAULTS)
+    x = bound["input"]
+    plan = _cached_plan(F.unfold, bound, _halo_unfold_plan)
+    if plan is not None:
+        return wrap_local_as(halo_unfold(local_input(x), plan.geometry, x.device_mesh.get_group(plan.axis)), plan.out_spec)
+    check_stencil_layout("unfold", x, (), None)
+    single_device_shape(F.unfold, bound)
+    stencils = _stencils(bound)
+    blocks, axis_sizes = _unfold_local(local_input(x), x, stencils)
+    spec, flat = _unfold_specs(x, stencils, axis_sizes)
     if flat is not None:
         return wrap_local_as(blocks.flatten(-2), flat)
+    channel = x.ndim - 3
+    taps = spec.shape[channel + 1]
     blocks = blocks.unflatten(channel, (blocks.shape[channel] // taps, taps))
     return wrap_local_as(blocks, spec).flatten(channel, channel + 1).flatten(-2)
 
@@ -154,13 +196,23 @@ def _fold_locally(
     return F.fold(local.flatten(lead, lead + 1).flatten(-2), sizes, kernel, dilation, padding, stride)
 
 
+def _blocks_in_place(cols: ShardTensor, shape: tuple[int, ...]) -> ShardTensorSpec | None:
+    """The layout of fold's positions viewed as (…, C, K, Ho, Wo) blocks where each rank's slab
+    reshapes in place (no split of K inside a channel), else None."""
+    lead = len(shape) - 4
+    spec = view_spec_in_place(cols._spec, shape)
+    if spec is None or any(type(p) is Shard and p.dim == lead + 1 for p in spec.placements):
+        return None
+    return spec
+
+
 def _positions_as_blocks(cols: ShardTensor, lead: int, taps: int, grid: tuple[int, ...]) -> tuple[torch.Tensor, ShardTensorSpec]:
     """Fold's input (…, C * K, Ho * Wo) as this rank's (…, C, K, ho, wo) slab and its layout: the
     slab reshaped in place where the view moves no rows, else through the view handlers (and a
     C * K split that cuts a channel gathered)."""
     shape = (*cols.shape[:lead], cols.shape[lead] // taps, taps, *grid)
-    spec = view_spec_in_place(cols._spec, shape)
-    if spec is not None and not any(type(p) is Shard and p.dim == lead + 1 for p in spec.placements):
+    spec = _blocks_in_place(cols, shape)
+    if spec is not None:
         return local_input(cols).reshape(spec.local_shape()), spec
     blocks = cols.unflatten(-1, grid).unflatten(lead, shape[lead : lead + 2])
     if any(type(p) is Shard and p.dim == lead + 1 for p in blocks.placements):  # C * K split inside a channel
@@ -168,28 +220,76 @@ def _positions_as_blocks(cols: ShardTensor, lead: int, taps: int, grid: tuple[in
     return local_input(blocks), blocks._spec
 
 
-def _fold(*args: Any, **kwargs: Any) -> ShardTensor:
-    bound = bind(_FOLD_NAMES, args, kwargs, _DEFAULTS)
+class _FoldCall(NamedTuple):
+    """What a fold call's arguments say: the stencils, the output's extents, the taps per
+    position, the dims before C * K (1 with a batch dim) and the positions' grid."""
+
+    stencils: list[Stencil]
+    extents: tuple[int, ...]
+    taps: int
+    lead: int
+    grid: tuple[int, ...]
+
+
+def _fold_call(bound: dict[str, Any]) -> _FoldCall:
+    """Check a fold call's arguments (torch's own errors) and read them."""
     cols = bound["input"]
     check_stencil_layout("fold", cols, (), None)
     single_device_shape(F.fold, bound)
     stencils, extents = _stencils(bound), per_dim(bound["output_size"], 2)
-    taps = math.prod(s.kernel for s in stencils)
-    lead = cols.ndim - 2  # 1 with a batch dim
     grid = tuple(s.positions(e) for e, s in zip(extents, stencils))
-    local, spec = _positions_as_blocks(cols, lead, taps, grid)
-    halo = _halo_geometry(spec, stencils, lead + 2)
-    if halo is not None:  # a 'same' stencil along one split dim: the rows' split is the positions' (:mod:`.halo_unfold`)
+    return _FoldCall(stencils, extents, math.prod(s.kernel for s in stencils), cols.ndim - 2, grid)
+
+
+def _fold_out_spec(cols: ShardTensor, call: _FoldCall, spec: ShardTensorSpec, axis_sizes: list) -> ShardTensorSpec:
+    """The folded output's layout: the blocks' placements with K gone, the rows' split ``axis_sizes``."""
+    lead = call.lead
+    placements = [Shard(p.dim - (p.dim > lead)) if type(p) is Shard else p for p in spec.placements]
+    return ShardTensorSpec(spec.mesh, placements, (*cols.shape[:lead], cols.shape[lead] // call.taps, *call.extents), axis_sizes)
+
+
+def _halo_fold_rows(call: _FoldCall, geometry: HaloUnfoldGeometry, blocks: tuple[int, ...]) -> tuple[int, ...]:
+    """This rank's output extents: its positions' rows along the split dim (the rows' split is the positions')."""
+    rows = list(call.extents)
+    rows[geometry.sharded] = blocks[call.lead + 2 + geometry.sharded]
+    return tuple(rows)
+
+
+def _halo_fold_plan(bound: dict[str, Any]) -> HaloPlan | None:
+    """:mod:`.halo_unfold`'s path for this call, where the positions reshape in place into blocks;
+    the plan's geometry is (the stencil's geometry, the blocks' local shape, this rank's extents)."""
+    cols = bound["input"]
+    call = _fold_call(bound)
+    shape = (*cols.shape[: call.lead], cols.shape[call.lead] // call.taps, call.taps, *call.grid)
+    spec = _blocks_in_place(cols, shape)
+    halo = None if spec is None else _halo_geometry(spec, call.stencils, call.lead + 2)
+    if halo is None:
+        return None
+    geometry, axis = halo
+    blocks = spec.local_shape()
+    plan_geometry = (geometry, blocks, _halo_fold_rows(call, geometry, blocks))
+    return HaloPlan(plan_geometry, axis, _fold_out_spec(cols, call, spec, list(spec.axis_sizes)))
+
+
+def _fold(*args: Any, **kwargs: Any) -> ShardTensor:
+    bound = bind(_FOLD_NAMES, args, kwargs, _DEFAULTS)
+    cols = bound["input"]
+    plan = _cached_plan(F.fold, bound, _halo_fold_plan)
+    if plan is not None:
+        (geometry, blocks, rows), lead = plan.geometry, cols.ndim - 2
+        local = local_input(cols).reshape(blocks).flatten(lead, lead + 1).flatten(-2)
+        return wrap_local_as(halo_fold(local, rows, geometry, cols.device_mesh.get_group(plan.axis)), plan.out_spec)
+    call = _fold_call(bound)
+    local, spec = _positions_as_blocks(cols, call.lead, call.taps, call.grid)
+    halo = _halo_geometry(spec, call.stencils, call.lead + 2)
+    if halo is not None:  # a 'same' stencil along one split dim, positions that needed the view handlers
         geometry, axis = halo
-        rows = list(extents)
-        rows[geometry.sharded] = local.shape[lead + 2 + geometry.sharded]
-        window = halo_fold(local.flatten(lead, lead + 1).flatten(-2), tuple(rows), geometry, spec.mesh.get_group(axis))
+        flat = local.flatten(call.lead, call.lead + 1).flatten(-2)
+        window = halo_fold(flat, _halo_fold_rows(call, geometry, tuple(local.shape)), geometry, spec.mesh.get_group(axis))
         axis_sizes = list(spec.axis_sizes)
     else:
-        window, axis_sizes = _fold_through_windows(local, lead, stencils, extents, spec)
-    placements = [Shard(p.dim - (p.dim > lead)) if type(p) is Shard else p for p in spec.placements]
-    out = ShardTensorSpec(spec.mesh, placements, (*cols.shape[:lead], cols.shape[lead] // taps, *extents), axis_sizes)
-    return wrap_local_as(window, out)
+        window, axis_sizes = _fold_through_windows(local, call.lead, call.stencils, call.extents, spec)
+    return wrap_local_as(window, _fold_out_spec(cols, call, spec, axis_sizes))
 
 
 def _fold_through_windows(
