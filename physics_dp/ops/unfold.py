@@ -125,12 +125,17 @@ def _unfold_specs(x: ShardTensor, stencils: list[Stencil], axis_sizes: list) -> 
     return spec, view_spec_in_place(spec, (*x.shape[:channel], x.shape[channel] * taps, math.prod(grid)))
 
 
+def _unfold_stencils(bound: dict[str, Any]) -> list[Stencil]:
+    """Check an unfold call (the input's layout, then torch's own errors for the arguments) and read its stencils."""
+    check_stencil_layout("unfold", bound["input"], (), None)
+    single_device_shape(F.unfold, bound)
+    return _stencils(bound)
+
+
 def _halo_unfold_plan(bound: dict[str, Any]) -> HaloPlan | None:
     """:mod:`.halo_unfold`'s path for this call, where it applies and its output is the flat layout."""
     x = bound["input"]
-    check_stencil_layout("unfold", x, (), None)
-    single_device_shape(F.unfold, bound)  # torch's own checks and errors for the arguments
-    stencils = _stencils(bound)
+    stencils = _unfold_stencils(bound)
     halo = _halo_geometry(x._spec, stencils, x.ndim - 2)
     if halo is None:
         return None
@@ -144,9 +149,7 @@ def _unfold(*args: Any, **kwargs: Any) -> ShardTensor:
     plan = _cached_plan(F.unfold, bound, _halo_unfold_plan)
     if plan is not None:
         return wrap_local_as(halo_unfold(local_input(x), plan.geometry, x.device_mesh.get_group(plan.axis)), plan.out_spec)
-    check_stencil_layout("unfold", x, (), None)
-    single_device_shape(F.unfold, bound)
-    stencils = _stencils(bound)
+    stencils = _unfold_stencils(bound)
     blocks, axis_sizes = _unfold_local(local_input(x), x, stencils)
     spec, flat = _unfold_specs(x, stencils, axis_sizes)
     if flat is not None:
@@ -196,30 +199,6 @@ def _fold_locally(
     return F.fold(local.flatten(lead, lead + 1).flatten(-2), sizes, kernel, dilation, padding, stride)
 
 
-def _blocks_in_place(cols: ShardTensor, shape: tuple[int, ...]) -> ShardTensorSpec | None:
-    """The layout of fold's positions viewed as (…, C, K, Ho, Wo) blocks where each rank's slab
-    reshapes in place (no split of K inside a channel), else None."""
-    lead = len(shape) - 4
-    spec = view_spec_in_place(cols._spec, shape)
-    if spec is None or any(type(p) is Shard and p.dim == lead + 1 for p in spec.placements):
-        return None
-    return spec
-
-
-def _positions_as_blocks(cols: ShardTensor, lead: int, taps: int, grid: tuple[int, ...]) -> tuple[torch.Tensor, ShardTensorSpec]:
-    """Fold's input (…, C * K, Ho * Wo) as this rank's (…, C, K, ho, wo) slab and its layout: the
-    slab reshaped in place where the view moves no rows, else through the view handlers (and a
-    C * K split that cuts a channel gathered)."""
-    shape = (*cols.shape[:lead], cols.shape[lead] // taps, taps, *grid)
-    spec = _blocks_in_place(cols, shape)
-    if spec is not None:
-        return local_input(cols).reshape(spec.local_shape()), spec
-    blocks = cols.unflatten(-1, grid).unflatten(lead, shape[lead : lead + 2])
-    if any(type(p) is Shard and p.dim == lead + 1 for p in blocks.placements):  # C * K split inside a channel
-        blocks = blocks.redistribute(placements=[Replicate() if p == Shard(lead + 1) else p for p in blocks.placements])
-    return local_input(blocks), blocks._spec
-
-
 class _FoldCall(NamedTuple):
     """What a fold call's arguments say: the stencils, the output's extents, the taps per
     position, the dims before C * K (1 with a batch dim) and the positions' grid."""
@@ -230,6 +209,11 @@ class _FoldCall(NamedTuple):
     lead: int
     grid: tuple[int, ...]
 
+    def blocks_shape(self, cols: ShardTensor) -> tuple[int, ...]:
+        """The positions (…, C * K, Ho * Wo) as (…, C, K, Ho, Wo) blocks."""
+        lead = self.lead
+        return (*cols.shape[:lead], cols.shape[lead] // self.taps, self.taps, *self.grid)
+
 
 def _fold_call(bound: dict[str, Any]) -> _FoldCall:
     """Check a fold call's arguments (torch's own errors) and read them."""
@@ -239,6 +223,30 @@ def _fold_call(bound: dict[str, Any]) -> _FoldCall:
     stencils, extents = _stencils(bound), per_dim(bound["output_size"], 2)
     grid = tuple(s.positions(e) for e, s in zip(extents, stencils))
     return _FoldCall(stencils, extents, math.prod(s.kernel for s in stencils), cols.ndim - 2, grid)
+
+
+def _blocks_in_place(cols: ShardTensor, shape: tuple[int, ...]) -> ShardTensorSpec | None:
+    """The layout of fold's positions viewed as (…, C, K, Ho, Wo) blocks where each rank's slab
+    reshapes in place (no split of K inside a channel), else None."""
+    lead = len(shape) - 4
+    spec = view_spec_in_place(cols._spec, shape)
+    if spec is None or any(type(p) is Shard and p.dim == lead + 1 for p in spec.placements):
+        return None
+    return spec
+
+
+def _positions_as_blocks(cols: ShardTensor, call: _FoldCall) -> tuple[torch.Tensor, ShardTensorSpec]:
+    """Fold's input (…, C * K, Ho * Wo) as this rank's (…, C, K, ho, wo) slab and its layout: the
+    slab reshaped in place where the view moves no rows, else through the view handlers (and a
+    C * K split that cuts a channel gathered)."""
+    lead, shape = call.lead, call.blocks_shape(cols)
+    spec = _blocks_in_place(cols, shape)
+    if spec is not None:
+        return local_input(cols).reshape(spec.local_shape()), spec
+    blocks = cols.unflatten(-1, call.grid).unflatten(lead, shape[lead : lead + 2])
+    if any(type(p) is Shard and p.dim == lead + 1 for p in blocks.placements):  # C * K split inside a channel
+        blocks = blocks.redistribute(placements=[Replicate() if p == Shard(lead + 1) else p for p in blocks.placements])
+    return local_input(blocks), blocks._spec
 
 
 def _fold_out_spec(cols: ShardTensor, call: _FoldCall, spec: ShardTensorSpec, axis_sizes: list) -> ShardTensorSpec:
@@ -260,8 +268,7 @@ def _halo_fold_plan(bound: dict[str, Any]) -> HaloPlan | None:
     the plan's geometry is (the stencil's geometry, the blocks' local shape, this rank's extents)."""
     cols = bound["input"]
     call = _fold_call(bound)
-    shape = (*cols.shape[: call.lead], cols.shape[call.lead] // call.taps, call.taps, *call.grid)
-    spec = _blocks_in_place(cols, shape)
+    spec = _blocks_in_place(cols, call.blocks_shape(cols))
     halo = None if spec is None else _halo_geometry(spec, call.stencils, call.lead + 2)
     if halo is None:
         return None
@@ -280,7 +287,7 @@ def _fold(*args: Any, **kwargs: Any) -> ShardTensor:
         local = local_input(cols).reshape(blocks).flatten(lead, lead + 1).flatten(-2)
         return wrap_local_as(halo_fold(local, rows, geometry, cols.device_mesh.get_group(plan.axis)), plan.out_spec)
     call = _fold_call(bound)
-    local, spec = _positions_as_blocks(cols, call.lead, call.taps, call.grid)
+    local, spec = _positions_as_blocks(cols, call)
     halo = _halo_geometry(spec, call.stencils, call.lead + 2)
     if halo is not None:  # a 'same' stencil along one split dim, positions that needed the view handlers
         geometry, axis = halo
