@@ -35,12 +35,13 @@ from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
 from ..distributed.tracing import is_tracing
-from ..shard_tensor import Replicate, ShardTensor
+from ..shard_tensor import Replicate, ShardTensor, ShardTensorSpec
+from ..shard_tensor.conversions import function_output, slab_gradient
 from ..shard_tensor.dispatch import run_default
 from . import fused_cpu
 from .autocast import fp32_where_autocast_does
 from ._local import (
-    ShardedOpError, data_axes, groups_over, groups_spanning, local_input, local_param, sharded_axes, wrap_local, wrap_local_as,
+    ShardedOpError, data_axes, groups_over, groups_spanning, local_input, local_param, sharded_axes, wrap_local_as,
 )
 from .grad_sums import SumGradOverGroups, creating_graph, sum_shares
 from .moments import LOW_PRECISION, merge_moments, merge_packed, row_moments, row_parts, unpacked
@@ -98,6 +99,33 @@ class _LocalRows(NamedTuple):
     normalized: torch.Tensor
     mean: torch.Tensor
     rstd: torch.Tensor  # inf where a row is constant
+
+
+class _Output(NamedTuple):
+    """How a norm's Function returns its result: as a ShardTensor of ``spec`` in ``dtype`` (the
+    input's; the work may run in fp32), computed in the work's shape and dtype, which the output's
+    gradient takes back in the backward."""
+
+    spec: ShardTensorSpec
+    dtype: torch.dtype
+    work_shape: torch.Size
+    work_dtype: torch.dtype
+
+    def wrap(self, y: torch.Tensor) -> ShardTensor:
+        return function_output(y.view(self.spec.local_shape()).to(self.dtype), self.spec)
+
+    def slab_gradient(self, grad: torch.Tensor) -> torch.Tensor:
+        return slab_gradient(grad, self.spec).reshape(self.work_shape).to(self.work_dtype)
+
+
+def _returned(y: torch.Tensor, out: _Output | None) -> torch.Tensor:
+    """A norm Function's result: ``out``'s ShardTensor, or the local work itself (plain slabs, or an affine to follow)."""
+    return y if out is None else out.wrap(y)
+
+
+def _work_gradient(grad: torch.Tensor, out: _Output | None) -> torch.Tensor:
+    """The gradient of the work a norm Function returned as ``out`` (see :func:`_returned`)."""
+    return grad if out is None else out.slab_gradient(grad)
 
 
 @functools.lru_cache(maxsize=64)
@@ -209,6 +237,9 @@ class _ChannelNorm(torch.autograd.Function):
     (:func:`_dy_and_x_terms`) and the weight and bias gradients in closed form (already summed
     over the ranks that share the statistics).  Where :mod:`.fused_cpu` serves, each step is one
     of its kernels (:func:`_normalize_on_cpu_kernels`).
+
+    Given ``out``, it returns the output as that ShardTensor (:func:`.conversions.function_output`):
+    one autograd node per norm, not a conversion node after it.
     """
 
     @staticmethod
@@ -220,9 +251,10 @@ class _ChannelNorm(torch.autograd.Function):
         layout: _StatLayout,
         groups: tuple[ProcessGroup, ...],
         eps: float,
+        out: _Output | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ctx.save_for_backward(x3, weight, bias)
-        ctx.layout, ctx.groups, ctx.eps = layout, groups, eps
+        ctx.layout, ctx.groups, ctx.eps, ctx.out = layout, groups, eps, out
         ctx.has_bias = bias is not None
         ctx.on_cpu_kernels = fused_cpu.usable(x3)
         if ctx.on_cpu_kernels:
@@ -234,15 +266,16 @@ class _ChannelNorm(torch.autograd.Function):
         mean, var = mean.view(-1, layout.groups), var.view(-1, layout.groups)
         ctx.mark_non_differentiable(mean, var)
         ctx.set_materialize_grads(False)  # the statistics get no gradient: no zeros made for them
-        return y, mean, var  # the statistics in float64, for the running averages
+        return _returned(y, out), mean, var  # the statistics in float64, for the running averages
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor, _mean_grad: None, _var_grad: None):  # type: ignore[override]
+        grad = _work_gradient(grad, ctx.out)
         if creating_graph():
-            return (*_differentiated(ctx, grad, _channel_norm_again), None, None, None)
+            return (*_differentiated(ctx, grad, _channel_norm_again), None, None, None, None)
         grad = grad.contiguous()
         if not ctx.on_cpu_kernels:
-            return (*_channel_norm_backward_on_stock_kernels(ctx, grad), None, None, None)
+            return (*_channel_norm_backward_on_stock_kernels(ctx, grad), None, None, None, None)
         x3, weight, _ = ctx.saved_tensors
         needs = (ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1],
                  ctx.has_bias and ctx.needs_input_grad[2])
@@ -250,7 +283,7 @@ class _ChannelNorm(torch.autograd.Function):
             grad, x3, weight, ctx.stats, ctx.layout, ctx.groups, needs
         )
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
-        return grad_x, grad_weight, None if grad_bias is None else grad_bias.to(grad.dtype), None, None, None
+        return grad_x, grad_weight, None if grad_bias is None else grad_bias.to(grad.dtype), None, None, None, None
 
 
 def _channel_norm_on_stock_kernels(ctx, x3: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None):
@@ -358,8 +391,9 @@ def _channel_norm(
     bias: torch.Tensor | None,
     stat_dims: Sequence[int],
     eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Normalize the slab ``local`` of ``x`` with statistics over ``stat_dims`` of the global tensor.
+) -> tuple[ShardTensor, torch.Tensor, torch.Tensor]:
+    """Normalize the slab ``local`` of ``x`` with statistics over ``stat_dims`` of the global tensor:
+    the output ShardTensor, and the statistics (float64, for running averages).
 
     The affine parameters' gradients come out of the statistics' all-reduce already summed over
     the axes that shard ``stat_dims``; only the remaining data axes (e.g. a split batch in group
@@ -371,8 +405,8 @@ def _channel_norm(
     work = local.float() if local.dtype in LOW_PRECISION else local
     x3 = work.reshape(work.shape[0], work.shape[1], math.prod(work.shape[2:]))
     groups = tuple(groups_spanning(x.device_mesh, tuple(stat_axes)))
-    y, mean, var = _ChannelNorm.apply(x3, w, b, layout, groups, eps)
-    return y.view(local.shape).to(local.dtype), mean, var
+    out = _Output(_output_spec(x), local.dtype, x3.shape, x3.dtype)
+    return _ChannelNorm.apply(x3, w, b, layout, groups, eps, out)
 
 
 # ----- layer norm over sharded dims: global statistics per leading index -----------------------
@@ -386,25 +420,27 @@ class _NormalizeGlobally(torch.autograd.Function):
     (:func:`_scale_shift`); where :mod:`.fused_cpu` serves, it is the channel norms' kernel path,
     whose backward reads x (saved anyway) instead of xhat.  Low-precision
     slabs are normalized in fp32 (the output's dtype); the slab itself is kept, uncast, for a
-    double backward (a reference, as torch's layer norm keeps its input).
+    double backward (a reference, as torch's layer norm keeps its input).  Given ``out`` (no
+    affine parameters follow), xhat is returned as that ShardTensor, as :class:`_ChannelNorm` does.
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, slab: torch.Tensor, dims: tuple[int, ...], groups: tuple[ProcessGroup, ...], eps: float
+        ctx, slab: torch.Tensor, dims: tuple[int, ...], groups: tuple[ProcessGroup, ...], eps: float,
+        out: _Output | None = None,
     ) -> torch.Tensor:
         x = slab.float() if slab.dtype in LOW_PRECISION else slab
         length = math.prod(x.shape[d] for d in dims)  # dims are the trailing ones
         leading = math.prod(x.shape[: x.ndim - len(dims)])  # each leading index is a row
         layout = _StatLayout(leading, per_sample=True)
         rows = x.reshape(1, leading, length)
-        ctx.groups, ctx.dims, ctx.eps, ctx.layout = groups, dims, eps, layout
+        ctx.groups, ctx.dims, ctx.eps, ctx.layout, ctx.out = groups, dims, eps, layout, out
         ctx.on_cpu_kernels = fused_cpu.usable(rows)
         if ctx.on_cpu_kernels:  # the backward then reads x itself: the channel norms' kernel path
             xhat, ctx.stats = _normalize_on_cpu_kernels(rows, None, None, layout, groups, eps)
             ctx.count = unpacked(ctx.stats[0])[0]
             ctx.save_for_backward(rows, slab)
-            return xhat.view(x.shape)
+            return _returned(xhat.view(x.shape), out)
         count, mean, var, local = layout.local_moments(rows)
         ctx.count, mean, var = merge_moments(count, mean, var, groups)
         rstd = (var + eps).rsqrt_().view(1, leading, 1)
@@ -412,21 +448,22 @@ class _NormalizeGlobally(torch.autograd.Function):
         xhat = None if local is None else _rescaled(local, rstd, shift, layout)
         xhat = (_scale_shift(rows, rstd, shift, layout) if xhat is None else xhat).view(x.shape)
         ctx.save_for_backward(xhat, rstd, slab)
-        return xhat
+        return _returned(xhat, out)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None
+            return None, None, None, None, None
+        grad = _work_gradient(grad, ctx.out)
         if creating_graph():
-            return (*_differentiated(ctx, grad, _normalize_again), None, None, None)
+            return (*_differentiated(ctx, grad, _normalize_again), None, None, None, None)
         grad = grad.contiguous()
         if ctx.on_cpu_kernels:
             rows, slab = ctx.saved_tensors
             grad_x, _, _ = _normalize_backward_on_cpu_kernels(
                 grad.view(rows.shape), rows, None, ctx.stats, ctx.layout, ctx.groups, (True, False, False)
             )
-            return grad_x.view(grad.shape).to(slab.dtype), None, None, None
+            return grad_x.view(grad.shape).to(slab.dtype), None, None, None, None
         xhat, rstd, slab = ctx.saved_tensors
         layout = ctx.layout
         rows = (1, layout.groups, xhat.numel() // layout.groups if layout.groups else 0)
@@ -438,7 +475,7 @@ class _NormalizeGlobally(torch.autograd.Function):
         # dx = rstd * (dy - mean(dy) - xhat * mean(dy * xhat)): its shift and xhat's coefficient, per row
         shift, xhat_coefficient = sums.view(2, 1, -1, 1) * (rstd / -ctx.count)
         grad_x = _dy_and_x_terms(grad_rows, xhat_rows, rstd, xhat_coefficient, shift, layout).view(grad.shape)
-        return grad_x.to(slab.dtype), None, None, None
+        return grad_x.to(slab.dtype), None, None, None, None
 
 
 # ----- double backward: the forward again, from differentiable pieces --------------------------
@@ -508,11 +545,16 @@ _AUTOCAST_PROBES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def _finish(y: torch.Tensor, x: ShardTensor) -> ShardTensor:
+def _output_spec(x: ShardTensor) -> ShardTensorSpec:
     """Normalization keeps the input's shape, placements and split: a contiguous input's very spec."""
     if x._spec.is_contiguous():
-        return wrap_local_as(y, x._spec)
-    return wrap_local(y, like=x, shape=x.shape, axis_sizes=x._spec.axis_sizes)
+        return x._spec
+    return ShardTensorSpec(x.device_mesh, x.placements, x.shape, x._spec.axis_sizes)
+
+
+def _finish(y: torch.Tensor, x: ShardTensor) -> ShardTensor:
+    """The output of a norm computed outside the norms' Functions (no sharded normalized dim; layer norm's affine)."""
+    return wrap_local_as(y, _output_spec(x))
 
 
 def _local_buffer(buffer: torch.Tensor | None) -> torch.Tensor | None:
@@ -564,7 +606,7 @@ def _group_norm(
     if not groups_over(x, spatial):
         return _finish(F.group_norm(local, num_groups, local_param(weight, x), local_param(bias, x), eps), x)
     y, _, _ = _channel_norm(x, local, _StatLayout(num_groups, per_sample=True), weight, bias, spatial, eps)
-    return _finish(y, x)
+    return y
 
 
 # ----- batch norm -----------------------------------------------------------------------------
@@ -591,7 +633,7 @@ def _batch_norm(
     layout = _StatLayout(x.shape[1], per_sample=False)
     y, mean, var = _channel_norm(x, local, layout, weight, bias, dims, eps)
     _update_running(rm, rv, mean, var, count, momentum)
-    return _finish(y, x)
+    return y
 
 
 # ----- instance norm --------------------------------------------------------------------------
@@ -631,7 +673,7 @@ def _instance_norm(
     y, mean, var = _channel_norm(x, local, layout, weight, bias, dims, eps)
     if tracks_running:
         _update_running(rm, rv, _batch_average(mean, x), _batch_average(var, x), count, momentum)
-    return _finish(y, x)
+    return y
 
 
 # ----- layer norm -----------------------------------------------------------------------------
@@ -667,6 +709,9 @@ def _layer_norm(
     groups = groups_over(x, dims)
     if not groups:
         return _finish(F.layer_norm(local, normalized_shape, w, b, eps), x)
+    if w is None and b is None:  # xhat is the output (computed in fp32 at least)
+        out = _Output(_output_spec(x), local.dtype, local.shape, torch.promote_types(local.dtype, torch.float32))
+        return _NormalizeGlobally.apply(local, dims, groups, eps, out)
     xhat = _NormalizeGlobally.apply(local, dims, groups, eps)
     w, b = _slab_of_param(w, x, first), _slab_of_param(b, x, first)
     if w is not None and b is not None:  # one pass: 2.4x faster than a mul then an add on a 4 MiB slab

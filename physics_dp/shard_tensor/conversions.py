@@ -26,6 +26,8 @@ __all__ = [
     "spec_from_local",
     "from_local_with_spec",
     "from_local_exact",
+    "function_output",
+    "slab_gradient",
     "to_local",
     "shared_local",
     "full_tensor",
@@ -151,8 +153,10 @@ def _avg_axes_size(spec: ShardTensorSpec) -> int:
     return count
 
 
-def _local_contribution_grad(grad: torch.Tensor, spec: ShardTensorSpec) -> torch.Tensor:
-    """A rank's slab gradient from the global-value gradient (the inverse of :func:`_global_value_grad`).
+def slab_gradient(grad: torch.Tensor, spec: ShardTensorSpec) -> torch.Tensor:
+    """A rank's slab gradient from the global-value gradient of a tensor of ``spec`` (the inverse of
+    :func:`_global_value_grad`), differentiably: the gradient may come in another layout, with
+    Partial axes, or as a plain tensor of the global shape.
 
     A plain gradient of the global shape (``y.backward(plain)``, a custom Function's backward or a
     hook returning one) is the replicated value, as plain tensors meeting ShardTensors are
@@ -168,6 +172,20 @@ def _local_contribution_grad(grad: torch.Tensor, spec: ShardTensorSpec) -> torch
     local = redistribute_to_spec(grad, without_partials(spec)).to_local()
     averaged = _avg_axes_size(spec)
     return local / averaged if averaged != 1 else local
+
+
+def function_output(local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
+    """``local``, the slab of a contiguous ``spec``, as the ShardTensor a custom autograd Function returns.
+
+    An op handler whose work is one Function wraps its result inside that Function: the Function's
+    node is then the output's ``grad_fn``.  Wrapping after it (:func:`from_local_with_spec`) adds a
+    conversion node, which costs tens of microseconds per op forward and again backward with the
+    caches cold after the op's kernels.  The Function's backward takes its slab's gradient with
+    :func:`slab_gradient`.
+    """
+    if spec.local_shape() != local.shape or not local.is_contiguous():
+        raise RuntimeError(f"local result of shape {tuple(local.shape)} does not match {spec}: a bug in the op handler")
+    return ShardTensor(local, spec)
 
 
 def _global_value_grad(local_grad: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
@@ -193,7 +211,7 @@ class _FromLocal(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         if not ctx.needs_input_grad[0]:
             return None, None
-        return _local_contribution_grad(grad, ctx.spec), None
+        return slab_gradient(grad, ctx.spec), None
 
 
 def from_local_with_spec(local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
