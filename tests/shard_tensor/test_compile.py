@@ -78,6 +78,7 @@ BLOCKS: dict[str, Callable[[], nn.Module]] = {
     "conv_transpose": lambda: nn.Sequential(nn.ConvTranspose2d(4, 4, 2, stride=2), nn.ConvTranspose2d(4, 4, 4, stride=2, padding=1)),
     "batch_norm": lambda: nn.BatchNorm2d(4),
     "layer_norm_over_chw": lambda: nn.LayerNorm([4, 12, 8]),
+    "layer_norm_over_chw_without_affine": lambda: nn.LayerNorm([4, 12, 8], elementwise_affine=False),
     "instance_norm": lambda: nn.InstanceNorm2d(4, affine=True),
     "pooling": lambda: nn.Sequential(nn.AvgPool2d(2), nn.MaxPool2d(3, stride=1, padding=1)),
     "interpolation": lambda: _Lambda(lambda x: F.interpolate(x, scale_factor=2, mode="bilinear")),
