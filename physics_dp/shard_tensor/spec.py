@@ -8,8 +8,8 @@ sharded dim on every coordinate of each mesh axis, and every op carries those si
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import ClassVar
+from collections.abc import Callable, Hashable, Sequence
+from typing import ClassVar, TypeVar
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -17,6 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from .placements import Placement, Replicate, Shard, StridedShard, normalize_placements
 
 __all__ = ["ShardTensorSpec", "balanced_sizes", "chunk_sizes", "contiguous_strides", "memory_order", "in_memory_order"]
+
+_Derived = TypeVar("_Derived")
 
 
 def balanced_sizes(extent: int, parts: int) -> tuple[int, ...]:
@@ -76,7 +78,7 @@ class ShardTensorSpec:
 
     __slots__ = (
         "mesh", "placements", "shape", "stride", "axis_sizes", "has_partial", "local_only", "strided", "_local_shape",
-        "_hash", "_contiguous",
+        "_hash", "_contiguous", "_derived",
     )
     # A Shard on a size-1 mesh axis holds the whole dim, so ops run the plain op on the slab.  Off only
     # where tests run the sharded code on one rank (``physics_dp.testing.sharded_code_on_size_one_axes``).
@@ -130,6 +132,7 @@ class ShardTensorSpec:
         self._local_shape: torch.Size | None = None
         self._hash: int | None = None
         self._contiguous: bool | None = None
+        self._derived: dict | None = None
 
     @classmethod
     def from_checked(
@@ -191,6 +194,18 @@ class ShardTensorSpec:
         if self._contiguous is None:
             self._contiguous = self.stride == contiguous_strides(self.shape)
         return self._contiguous
+
+    def derived(self, key: Hashable, build: Callable[[], _Derived]) -> _Derived:
+        """``build()``, made once per spec and ``key``, for what depends on this layout alone (a
+        view's output spec).  Tensors of one layout share its spec (a pointwise result keeps its
+        input's; a cached plan hands out the same output spec at every call), so a step's op on
+        them plans once, not per call.  It lives as long as the spec, whose mesh it may hold."""
+        if self._derived is None:
+            self._derived = {}
+        value = self._derived.get(key)
+        if value is None:
+            value = self._derived[key] = build()
+        return value
 
     def local_shape(self, coordinate: Sequence[int] | None = None) -> torch.Size:
         """The local slab's shape at ``coordinate`` (this rank's by default)."""

@@ -124,6 +124,30 @@ def holds_a_mesh(value) -> bool:
     return False
 
 
+def _view_plans_per_spec():
+    """How many times views of one layout were planned: per spec object and output shape."""
+    mesh = get_mesh((2,))
+    x = distribute_tensor(torch.randn(2, 3, 8, 5), mesh, [Shard(2)])
+    planned = []
+    real = views._planned_view
+    views._planned_view = lambda spec, shape: planned.append(shape) or real(spec, shape)
+    try:
+        first, again, of_pointwise = x.view(2, 3, 40), x.view(2, 3, 40), (x * 2).view(2, 3, 40)
+        other = x.view(2, 24, 5)
+        torch.testing.assert_close(of_pointwise.full_tensor(), x.full_tensor().view(2, 3, 40) * 2)
+        torch.testing.assert_close(other.full_tensor(), x.full_tensor().view(2, 24, 5))
+    finally:
+        views._planned_view = real
+    return planned, first._spec is again._spec is of_pointwise._spec
+
+
+def test_views_of_one_layout_plan_once_per_spec():
+    # a pointwise result keeps its input's spec, so its views reuse the plan too
+    for planned, same_spec in run_on_ranks(2, _view_plans_per_spec):
+        assert planned == [(2, 3, 40), (2, 24, 5)]
+        assert same_spec
+
+
 def test_a_view_follows_the_split_of_each_input():
     # and the plan cache holds no mesh: a mesh holds its process groups, which must die with it
     for sizes, holds_a_mesh in run_on_ranks(2, _views_of_equal_shapes_with_different_splits):
