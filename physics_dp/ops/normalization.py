@@ -102,30 +102,28 @@ class _LocalRows(NamedTuple):
 
 
 class _Output(NamedTuple):
-    """How a norm's Function returns its result: as a ShardTensor of ``spec`` in ``dtype`` (the
-    input's; the work may run in fp32), computed in the work's shape and dtype, which the output's
-    gradient takes back in the backward."""
+    """A norm Function's output as a ShardTensor: its spec, and its dtype (the input's; the work may run in fp32)."""
 
     spec: ShardTensorSpec
     dtype: torch.dtype
-    work_shape: torch.Size
-    work_dtype: torch.dtype
-
-    def wrap(self, y: torch.Tensor) -> ShardTensor:
-        return function_output(y.view(self.spec.local_shape()).to(self.dtype), self.spec)
-
-    def slab_gradient(self, grad: torch.Tensor) -> torch.Tensor:
-        return slab_gradient(grad, self.spec).reshape(self.work_shape).to(self.work_dtype)
 
 
-def _returned(y: torch.Tensor, out: _Output | None) -> torch.Tensor:
-    """A norm Function's result: ``out``'s ShardTensor, or the local work itself (plain slabs, or an affine to follow)."""
-    return y if out is None else out.wrap(y)
+def _returned(ctx, y: torch.Tensor, out: _Output | None) -> torch.Tensor:
+    """A norm Function's result: its work ``y`` as ``out``'s ShardTensor (noting the work's shape and
+    dtype, which the output's gradient returns to), or ``y`` itself (plain slabs, or an affine to follow)."""
+    ctx.out = out
+    if out is None:
+        return y
+    ctx.work = (y.shape, y.dtype)
+    return function_output(y.view(out.spec.local_shape()).to(out.dtype), out.spec)
 
 
-def _work_gradient(grad: torch.Tensor, out: _Output | None) -> torch.Tensor:
-    """The gradient of the work a norm Function returned as ``out`` (see :func:`_returned`)."""
-    return grad if out is None else out.slab_gradient(grad)
+def _work_gradient(ctx, grad: torch.Tensor) -> torch.Tensor:
+    """The gradient of the work a norm Function returned through :func:`_returned`."""
+    if ctx.out is None:
+        return grad
+    shape, dtype = ctx.work
+    return slab_gradient(grad, ctx.out.spec).reshape(shape).to(dtype)
 
 
 @functools.lru_cache(maxsize=64)
@@ -254,7 +252,7 @@ class _ChannelNorm(torch.autograd.Function):
         out: _Output | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ctx.save_for_backward(x3, weight, bias)
-        ctx.layout, ctx.groups, ctx.eps, ctx.out = layout, groups, eps, out
+        ctx.layout, ctx.groups, ctx.eps = layout, groups, eps
         ctx.has_bias = bias is not None
         ctx.on_cpu_kernels = fused_cpu.usable(x3)
         if ctx.on_cpu_kernels:
@@ -266,11 +264,11 @@ class _ChannelNorm(torch.autograd.Function):
         mean, var = mean.view(-1, layout.groups), var.view(-1, layout.groups)
         ctx.mark_non_differentiable(mean, var)
         ctx.set_materialize_grads(False)  # the statistics get no gradient: no zeros made for them
-        return _returned(y, out), mean, var  # the statistics in float64, for the running averages
+        return _returned(ctx, y, out), mean, var  # the statistics in float64, for the running averages
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor, _mean_grad: None, _var_grad: None):  # type: ignore[override]
-        grad = _work_gradient(grad, ctx.out)
+        grad = _work_gradient(ctx, grad)
         if creating_graph():
             return (*_differentiated(ctx, grad, _channel_norm_again), None, None, None, None)
         grad = grad.contiguous()
@@ -405,8 +403,7 @@ def _channel_norm(
     work = local.float() if local.dtype in LOW_PRECISION else local
     x3 = work.reshape(work.shape[0], work.shape[1], math.prod(work.shape[2:]))
     groups = tuple(groups_spanning(x.device_mesh, tuple(stat_axes)))
-    out = _Output(_output_spec(x), local.dtype, x3.shape, x3.dtype)
-    return _ChannelNorm.apply(x3, w, b, layout, groups, eps, out)
+    return _ChannelNorm.apply(x3, w, b, layout, groups, eps, _Output(_output_spec(x), local.dtype))
 
 
 # ----- layer norm over sharded dims: global statistics per leading index -----------------------
@@ -434,13 +431,13 @@ class _NormalizeGlobally(torch.autograd.Function):
         leading = math.prod(x.shape[: x.ndim - len(dims)])  # each leading index is a row
         layout = _StatLayout(leading, per_sample=True)
         rows = x.reshape(1, leading, length)
-        ctx.groups, ctx.dims, ctx.eps, ctx.layout, ctx.out = groups, dims, eps, layout, out
+        ctx.groups, ctx.dims, ctx.eps, ctx.layout = groups, dims, eps, layout
         ctx.on_cpu_kernels = fused_cpu.usable(rows)
         if ctx.on_cpu_kernels:  # the backward then reads x itself: the channel norms' kernel path
             xhat, ctx.stats = _normalize_on_cpu_kernels(rows, None, None, layout, groups, eps)
             ctx.count = unpacked(ctx.stats[0])[0]
             ctx.save_for_backward(rows, slab)
-            return _returned(xhat.view(x.shape), out)
+            return _returned(ctx, xhat.view(x.shape), out)
         count, mean, var, local = layout.local_moments(rows)
         ctx.count, mean, var = merge_moments(count, mean, var, groups)
         rstd = (var + eps).rsqrt_().view(1, leading, 1)
@@ -448,13 +445,13 @@ class _NormalizeGlobally(torch.autograd.Function):
         xhat = None if local is None else _rescaled(local, rstd, shift, layout)
         xhat = (_scale_shift(rows, rstd, shift, layout) if xhat is None else xhat).view(x.shape)
         ctx.save_for_backward(xhat, rstd, slab)
-        return _returned(xhat, out)
+        return _returned(ctx, xhat, out)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None
-        grad = _work_gradient(grad, ctx.out)
+        grad = _work_gradient(ctx, grad)
         if creating_graph():
             return (*_differentiated(ctx, grad, _normalize_again), None, None, None, None)
         grad = grad.contiguous()
@@ -709,9 +706,8 @@ def _layer_norm(
     groups = groups_over(x, dims)
     if not groups:
         return _finish(F.layer_norm(local, normalized_shape, w, b, eps), x)
-    if w is None and b is None:  # xhat is the output (computed in fp32 at least)
-        out = _Output(_output_spec(x), local.dtype, local.shape, torch.promote_types(local.dtype, torch.float32))
-        return _NormalizeGlobally.apply(local, dims, groups, eps, out)
+    if w is None and b is None:  # xhat is the output
+        return _NormalizeGlobally.apply(local, dims, groups, eps, _Output(_output_spec(x), local.dtype))
     xhat = _NormalizeGlobally.apply(local, dims, groups, eps)
     w, b = _slab_of_param(w, x, first), _slab_of_param(b, x, first)
     if w is not None and b is not None:  # one pass: 2.4x faster than a mul then an add on a 4 MiB slab

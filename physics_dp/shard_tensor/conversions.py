@@ -184,7 +184,7 @@ def function_output(local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
     :func:`slab_gradient`.
     """
     if spec.local_shape() != local.shape or not local.is_contiguous():
-        raise RuntimeError(f"local result of shape {tuple(local.shape)} does not match {spec}: a bug in the op handler")
+        raise RuntimeError(f"local result of shape {tuple(local.shape)} is not a contiguous slab of {spec}: a bug in the op handler")
     return ShardTensor(local, spec)
 
 
