@@ -14,6 +14,11 @@ kernels that are slower on this work (per-row loops that the compiler vectorizes
 - ``grad_sums``: per channel, the sums of dy and dy * (x - mean) (for batch norm's backward
   reduction, 2-3x slower on one thread).
 
+Three more carry layer norm's elementwise affine parameters through the same passes, where torch's
+fused ``layer_norm`` applies them in its own: ``row_affine_elementwise`` (the output),
+``weighted_grad_sums`` (the backward's sums through the weight, and the parameters' gradients in
+the same pass) and ``two_term_affine_elementwise`` (dx).
+
 Three more do the arithmetic on the few statistics in between, each in one call where it took
 about twenty small tensor ops per norm (a fixed host cost per call, 0.2-0.5 ms with the caches cold
 after the slab's passes): ``merge_moments`` (Chan's merge of the ranks' statistics),
@@ -43,7 +48,7 @@ from ..distributed.tracing import is_tracing
 
 __all__ = [
     "usable", "norm_moments", "merge_moments", "norm_coefficients", "norm_grad_coefficients", "two_term_affine", "row_affine",
-    "grad_sums", "set_enabled", "build",
+    "grad_sums", "row_affine_elementwise", "two_term_affine_elementwise", "weighted_grad_sums", "set_enabled", "build",
 ]
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "fused_norms.cpp")
@@ -131,6 +136,32 @@ def grad_sums(g: torch.Tensor, x: torch.Tensor, mean: torch.Tensor) -> torch.Ten
     g * (x - mean), stacked (2, C), float64; ``mean`` is (C,) of x's dtype (once :func:`usable`
     said yes)."""
     return torch.ops.physics_dp.grad_sums(g, x, mean)
+
+
+def row_affine_elementwise(
+    x: torch.Tensor, a: torch.Tensor, c: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
+) -> torch.Tensor:
+    """``(a * x + c) * w + b`` for a contiguous (P, Q) ``x``, (P,) ``a`` and ``c`` and (Q,) ``w`` and
+    ``b`` (or no ``b``), all of one dtype (once :func:`usable` said yes)."""
+    return torch.ops.physics_dp.row_affine_elementwise(x, a, c, w, b)
+
+
+def two_term_affine_elementwise(
+    u: torch.Tensor, v: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor
+) -> torch.Tensor:
+    """``a * u * w + b * v + c`` for contiguous (P, Q) ``u`` and ``v``, (Q,) ``w`` and (P,) coefficients,
+    all of one dtype (once :func:`usable` said yes)."""
+    return torch.ops.physics_dp.two_term_affine_elementwise(u, v, w, a, b, c)
+
+
+def weighted_grad_sums(
+    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, param_grads: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of contiguous (P, Q) ``dy`` and ``x``, with g = dy * w ((Q,) ``w``): the sums of g and
+    of g * (x - mean), stacked (2, P), float64; and where ``param_grads``, summed over the rows,
+    dy * (x - mean) * rstd and dy, stacked (2, Q) in x's dtype (else empty), in the same pass.
+    ``mean`` and ``rstd`` are (P,) of x's dtype (once :func:`usable` said yes)."""
+    return torch.ops.physics_dp.weighted_grad_sums(dy, x, w, mean, rstd, param_grads)
 
 
 def build() -> bool:

@@ -341,12 +341,24 @@ def _normalize_on_cpu_kernels(
     slab's statistics, their merge over the ranks, the coefficients, then y = scale * x + shift.
     Returns y and the statistics the backward takes (packed moments, 1 / std, coefficients)."""
     n, channels, length = x3.shape
+    stats = _cpu_statistics(x3, weight, bias, layout, groups, eps)
+    coefficients = stats[2]
+    y = fused_cpu.row_affine(x3.view(n * channels, length), coefficients[0], coefficients[1]).view(n, channels, length)
+    return y, stats
+
+
+def _cpu_statistics(
+    x3: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, layout: _StatLayout,
+    groups: tuple[ProcessGroup, ...], eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed moments merged over the ranks, 1 / std, rows (scale, shift, mean) per (sample, channel))
+    of an (N, C, L) slab from :mod:`.fused_cpu`'s kernels."""
+    n, channels, _ = x3.shape
     packed = merge_packed(fused_cpu.norm_moments(x3, layout.groups, layout.per_sample), groups)
     coefficients, rstd = fused_cpu.norm_coefficients(
         packed, weight, bias, eps, (n, channels), layout.groups, layout.per_sample, x3.dtype
     )
-    y = fused_cpu.row_affine(x3.view(n * channels, length), coefficients[0], coefficients[1]).view(n, channels, length)
-    return y, (packed, rstd, coefficients)
+    return packed, rstd, coefficients
 
 
 def _normalize_backward_on_cpu_kernels(
@@ -356,23 +368,45 @@ def _normalize_backward_on_cpu_kernels(
     """(dx, dweight, dbias) (float64 parameter gradients; None where ``needs`` says no) from
     :mod:`.fused_cpu`'s kernels: the sums of dy and dy * (x - mean) per (sample, channel),
     all-reduced, the coefficients, then dx in one pass."""
-    packed, rstd, coefficients = stats
+    coefficients = stats[2]
     n, channels, length = x3.shape
     rows = (n * channels, length)
     if layout.per_sample:  # statistics per (sample, channel): one row each
         sums = fused_cpu.grad_sums(grad.view(1, *rows), x3.view(1, *rows), coefficients[2])
     else:  # batch statistics: the kernel sums the rank's part of the batch too
         sums = fused_cpu.grad_sums(grad, x3, coefficients[2, :channels])
-    for group in groups:
-        sums = collectives.all_reduce(sums, "sum", group)
-    terms, param_grads = fused_cpu.norm_grad_coefficients(
-        sums, packed, rstd, weight, n, layout.groups, layout.per_sample, x3.dtype
-    )
+    terms, param_grads = _grad_terms(sums, stats, weight, n, layout, groups, x3.dtype)
     grad_x = None
     if needs[0]:
         grad_x = fused_cpu.two_term_affine(grad.view(rows), x3.view(rows), coefficients[0], terms[0], terms[1])
         grad_x = grad_x.view(n, channels, length)
     return grad_x, param_grads[0] if needs[1] else None, param_grads[1] if needs[2] else None
+
+
+def _grad_terms(
+    sums: torch.Tensor, stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor], weight: torch.Tensor | None, samples: int,
+    layout: _StatLayout, groups: tuple[ProcessGroup, ...], dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward's rows (beta, gamma) and per-channel parameter gradients from a rank's sums of
+    g and g * (x - mean), all-reduced first (one message per group)."""
+    packed, rstd, _ = stats
+    for group in groups:
+        sums = collectives.all_reduce(sums, "sum", group)
+    return fused_cpu.norm_grad_coefficients(sums, packed, rstd, weight, samples, layout.groups, layout.per_sample, dtype)
+
+
+def _layer_norm_backward_on_cpu_kernels(
+    grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    layout: _StatLayout, groups: tuple[ProcessGroup, ...], param_grads: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Layer norm's (dx, dweight, dbias) for (R, Q) rows and their elementwise (Q,) weight: one pass
+    for the sums through the weight and the parameters' gradients (None unless ``param_grads``),
+    the all-reduce, one pass for dx."""
+    coefficients = stats[2]  # rows (1 / std, shift, mean): no per-row weight
+    sums, grads = fused_cpu.weighted_grad_sums(grad, rows, weight, coefficients[2], coefficients[0], param_grads)
+    terms, _ = _grad_terms(sums, stats, None, 1, layout, groups, rows.dtype)
+    grad_x = fused_cpu.two_term_affine_elementwise(grad, rows, weight, coefficients[0], terms[0], terms[1])
+    return grad_x, grads[0] if param_grads else None, grads[1] if param_grads else None
 
 
 def _over_samples(per_stat: torch.Tensor) -> torch.Tensor:
@@ -417,14 +451,19 @@ class _NormalizeGlobally(torch.autograd.Function):
     (:func:`_scale_shift`); where :mod:`.fused_cpu` serves, it is the channel norms' kernel path,
     whose backward reads x (saved anyway) instead of xhat.  Low-precision
     slabs are normalized in fp32 (the output's dtype); the slab itself is kept, uncast, for a
-    double backward (a reference, as torch's layer norm keeps its input).  Given ``out`` (no
-    affine parameters follow), xhat is returned as that ShardTensor, as :class:`_ChannelNorm` does.
+    double backward (a reference, as torch's layer norm keeps its input).  Given ``out``, the result
+    is returned as that ShardTensor, as :class:`_ChannelNorm` does.
+
+    The slab's part of the elementwise affine parameters (``weight``, and ``bias`` only with it) is
+    taken on :mod:`.fused_cpu`'s path only: there its kernels apply them in the normalization's own
+    passes, as torch's fused layer norm does, where a separate ``addcmul`` and its backward took
+    three more passes (the handler keeps that elsewhere).
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx, slab: torch.Tensor, dims: tuple[int, ...], groups: tuple[ProcessGroup, ...], eps: float,
-        out: _Output | None = None,
+        out: _Output | None = None, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x = slab.float() if slab.dtype in LOW_PRECISION else slab
         length = math.prod(x.shape[d] for d in dims)  # dims are the trailing ones
@@ -434,10 +473,19 @@ class _NormalizeGlobally(torch.autograd.Function):
         ctx.groups, ctx.dims, ctx.eps, ctx.layout = groups, dims, eps, layout
         ctx.on_cpu_kernels = fused_cpu.usable(rows)
         if ctx.on_cpu_kernels:  # the backward then reads x itself: the channel norms' kernel path
-            xhat, ctx.stats = _normalize_on_cpu_kernels(rows, None, None, layout, groups, eps)
+            ctx.save_for_backward(rows, slab, weight, bias)
+            if weight is None:
+                y, ctx.stats = _normalize_on_cpu_kernels(rows, None, None, layout, groups, eps)
+            else:
+                ctx.weight = weight.to(x.dtype).reshape(length)  # the slab's part, contiguous
+                ctx.stats = _cpu_statistics(rows, None, None, layout, groups, eps)
+                coefficients = ctx.stats[2]
+                b = None if bias is None else bias.to(x.dtype).reshape(length)
+                y = fused_cpu.row_affine_elementwise(rows.view(leading, length), coefficients[0], coefficients[1], ctx.weight, b)
             ctx.count = unpacked(ctx.stats[0])[0]
-            ctx.save_for_backward(rows, slab)
-            return _returned(ctx, xhat.view(x.shape), out)
+            return _returned(ctx, y.view(x.shape), out)
+        if weight is not None or bias is not None:
+            raise RuntimeError("layer norm's affine parameters enter its Function on the fused CPU kernels' path only")
         count, mean, var, local = layout.local_moments(rows)
         ctx.count, mean, var = merge_moments(count, mean, var, groups)
         rstd = (var + eps).rsqrt_().view(1, leading, 1)
@@ -449,18 +497,30 @@ class _NormalizeGlobally(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None
+        needs = ctx.needs_input_grad
+        if not (needs[0] or needs[5] or needs[6]):
+            return (None,) * 7
         grad = _work_gradient(ctx, grad)
         if creating_graph():
-            return (*_differentiated(ctx, grad, _normalize_again), None, None, None, None)
+            return tuple(_differentiated(ctx, grad, _normalize_again))
         grad = grad.contiguous()
         if ctx.on_cpu_kernels:
-            rows, slab = ctx.saved_tensors
-            grad_x, _, _ = _normalize_backward_on_cpu_kernels(
-                grad.view(rows.shape), rows, None, ctx.stats, ctx.layout, ctx.groups, (True, False, False)
+            rows, slab, weight, bias = ctx.saved_tensors
+            if weight is None:
+                grad_x, _, _ = _normalize_backward_on_cpu_kernels(
+                    grad.view(rows.shape), rows, None, ctx.stats, ctx.layout, ctx.groups, (True, False, False)
+                )
+                return grad_x.view(grad.shape).to(slab.dtype), None, None, None, None, None, None
+            leading, length = rows.shape[1:]
+            grad_x, grad_w, grad_b = _layer_norm_backward_on_cpu_kernels(
+                grad.view(leading, length), rows.view(leading, length), ctx.weight, ctx.stats, ctx.layout, ctx.groups,
+                needs[5] or needs[6],
             )
-            return grad_x.view(grad.shape).to(slab.dtype), None, None, None, None
+            return (
+                grad_x.view(grad.shape).to(slab.dtype), None, None, None, None,
+                grad_w.view(weight.shape).to(weight.dtype) if needs[5] else None,
+                grad_b.view(bias.shape).to(bias.dtype) if bias is not None and needs[6] else None,
+            )
         xhat, rstd, slab = ctx.saved_tensors
         layout = ctx.layout
         rows = (1, layout.groups, xhat.numel() // layout.groups if layout.groups else 0)
@@ -472,7 +532,7 @@ class _NormalizeGlobally(torch.autograd.Function):
         # dx = rstd * (dy - mean(dy) - xhat * mean(dy * xhat)): its shift and xhat's coefficient, per row
         shift, xhat_coefficient = sums.view(2, 1, -1, 1) * (rstd / -ctx.count)
         grad_x = _dy_and_x_terms(grad_rows, xhat_rows, rstd, xhat_coefficient, shift, layout).view(grad.shape)
-        return grad_x.to(slab.dtype), None, None, None, None
+        return grad_x.to(slab.dtype), None, None, None, None, None, None
 
 
 # ----- double backward: the forward again, from differentiable pieces --------------------------
@@ -511,13 +571,19 @@ def _channel_norm_again(ctx) -> tuple[torch.Tensor, tuple]:
 
 
 def _normalize_again(ctx) -> tuple[torch.Tensor, tuple]:
-    """Layer norm's normalization of the saved slab (see :class:`_NormalizeGlobally`), differentiably."""
-    x, count, dims = ctx.saved_tensors[-1], ctx.count, ctx.dims
+    """Layer norm's normalization of the saved slab (see :class:`_NormalizeGlobally`), its affine
+    parameters' slab applied where the Function took them, differentiably."""
+    saved, count, dims = ctx.saved_tensors, ctx.count, ctx.dims
+    x, weight, bias = saved[1:] if ctx.on_cpu_kernels else (saved[2], None, None)
     xd = x.double()  # the forward's output is fp32 for a low-precision slab: see the return
     s1, s2 = sum_shares(torch.stack([xd.sum(dims, keepdim=True), xd.square().sum(dims, keepdim=True)]), ctx.groups)
     mean = s1 / count
-    xhat = (xd - mean) * torch.rsqrt(s2 / count - mean.square() + ctx.eps)
-    return xhat.to(torch.promote_types(x.dtype, torch.float32)), (x,)
+    y = (xd - mean) * torch.rsqrt(s2 / count - mean.square() + ctx.eps)
+    if weight is not None:
+        y = y * weight.double()
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(torch.promote_types(x.dtype, torch.float32)), (x, None, None, None, None, weight, bias)
 
 
 # ----- shared pieces --------------------------------------------------------------------------
@@ -706,10 +772,10 @@ def _layer_norm(
     groups = groups_over(x, dims)
     if not groups:
         return _finish(F.layer_norm(local, normalized_shape, w, b, eps), x)
-    if w is None and b is None:  # xhat is the output
-        return _NormalizeGlobally.apply(local, dims, groups, eps, _Output(_output_spec(x), local.dtype))
-    xhat = _NormalizeGlobally.apply(local, dims, groups, eps)
     w, b = _slab_of_param(w, x, first), _slab_of_param(b, x, first)
+    if (w is None and b is None) or (w is not None and fused_cpu.usable(local)):  # one node, the affine in its passes
+        return _NormalizeGlobally.apply(local, dims, groups, eps, _Output(_output_spec(x), local.dtype), w, b)
+    xhat = _NormalizeGlobally.apply(local, dims, groups, eps)
     if w is not None and b is not None:  # one pass: 2.4x faster than a mul then an add on a 4 MiB slab
         y = torch.addcmul(b, xhat, w)
     else:

@@ -186,6 +186,53 @@ def test_grad_sums_over_samples_and_length(dtype: torch.dtype, samples: int) -> 
         fused_cpu.grad_sums(g, x, mean[:4])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_row_affine_elementwise(dtype: torch.dtype, with_bias: bool) -> None:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 2049, generator=generator, dtype=dtype)
+    a, c = (torch.randn(4, generator=generator, dtype=dtype) for _ in range(2))
+    w, b = (torch.randn(2049, generator=generator, dtype=dtype) for _ in range(2))
+    expected = (a.double()[:, None] * x.double() + c.double()[:, None]) * w.double() + (b.double() if with_bias else 0)
+    out = fused_cpu.row_affine_elementwise(x, a, c, w, b if with_bias else None)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5 if dtype == torch.float32 else 1e-12, rtol=0)
+    with pytest.raises(RuntimeError, match="w must be"):
+        fused_cpu.row_affine_elementwise(x, a, c, w[:7], None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_two_term_affine_elementwise(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(2)
+    u, v = (torch.randn(5, 3001, generator=generator, dtype=dtype) for _ in range(2))
+    w = torch.randn(3001, generator=generator, dtype=dtype)
+    a, b, c = (torch.randn(5, generator=generator, dtype=dtype) for _ in range(3))
+    out = fused_cpu.two_term_affine_elementwise(u, v, w, a, b, c)
+    ud, vd = u.double(), v.double()
+    expected = a.double()[:, None] * ud * w.double() + b.double()[:, None] * vd + c.double()[:, None]
+    torch.testing.assert_close(out.double(), expected, atol=1e-5 if dtype == torch.float32 else 1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("param_grads", [True, False])
+def test_weighted_grad_sums_and_the_affine_gradients_in_one_pass(dtype: torch.dtype, param_grads: bool) -> None:
+    generator = torch.Generator().manual_seed(3)
+    dy, x = (torch.randn(3, 4099, generator=generator, dtype=dtype) for _ in range(2))
+    x = x + 100  # the centering happens inside, about the given mean
+    w = torch.randn(4099, generator=generator, dtype=dtype)
+    mean, rstd = x.mean(1), torch.rand(3, generator=generator, dtype=dtype) + 0.5
+    sums, grads = fused_cpu.weighted_grad_sums(dy, x, w, mean, rstd, param_grads)
+    g, centered = dy.double() * w.double(), x.double() - mean.double()[:, None]
+    expected = torch.stack((g.sum(1), (g * centered).sum(1)))
+    assert sums.dtype == torch.float64 and sums.shape == (2, 3)
+    torch.testing.assert_close(sums, expected, atol=1e-3 if dtype == torch.float32 else 1e-9, rtol=1e-5 if dtype == torch.float32 else 1e-12)
+    if not param_grads:
+        assert grads.numel() == 0
+        return
+    expected_grads = torch.stack(((dy.double() * centered * rstd.double()[:, None]).sum(0), dy.double().sum(0)))
+    assert grads.dtype == dtype and grads.shape == (2, 4099)
+    torch.testing.assert_close(grads.double(), expected_grads, atol=1e-4 if dtype == torch.float32 else 1e-11, rtol=0)
+
+
 def test_usable_only_where_the_kernels_apply() -> None:
     x = torch.randn(4, 6)
     assert fused_cpu.usable(x, x)
@@ -224,6 +271,29 @@ def _norm_ops(enabled: bool) -> set[str]:
         return ops.names
     finally:
         fused_cpu.set_enabled(previous)
+
+
+def _layer_norm_ops(enabled: bool) -> set[str]:
+    from physics_dp.shard_tensor import Shard, distribute_tensor
+
+    previous = fused_cpu.set_enabled(enabled)
+    try:
+        x = distribute_tensor(torch.randn(2, 4, 12, 6), get_mesh((2,)), [Shard(2)]).requires_grad_(True)
+        weight, bias = torch.randn(4, 12, 6, requires_grad=True), torch.randn(4, 12, 6, requires_grad=True)
+        with _Ops() as ops:
+            F.layer_norm(x, (4, 12, 6), weight, bias).square().sum().backward()
+        return ops.names
+    finally:
+        fused_cpu.set_enabled(previous)
+
+
+def test_a_sharded_layer_norm_applies_its_affine_in_the_kernels_passes() -> None:
+    fused = run_on_ranks(2, _layer_norm_ops, True)[0]
+    kernels = ("norm_moments", "row_affine_elementwise", "weighted_grad_sums", "two_term_affine_elementwise")
+    assert {f"physics_dp::{kernel}" for kernel in kernels} <= fused
+    assert "aten::addcmul" not in fused  # no separate affine pass
+    stock = run_on_ranks(2, _layer_norm_ops, False)[0]
+    assert "aten::addcmul" in stock
 
 
 def test_a_sharded_group_norm_takes_the_kernels_on_ranks() -> None:

@@ -343,11 +343,13 @@ def test_normalization_of_a_strided_slab() -> None:
 def _output_nodes() -> dict[str, list[str]]:
     """The autograd nodes from each sharded norm's output back to its input's conversion."""
     x = distribute_tensor(randn((2, 4, 12, 8)), get_mesh((2,)), [Shard(2)]).requires_grad_(True)
+    weight, bias = randn((4, 12, 8), seed=1).requires_grad_(True), randn((4, 12, 8), seed=2).requires_grad_(True)
     norms = {
         "group": lambda t: F.group_norm(t, 2),
         "batch": lambda t: F.batch_norm(t, None, None, training=True),
         "instance": lambda t: F.instance_norm(t),
         "layer, no affine": lambda t: F.layer_norm(t, t.shape[1:]),
+        "layer, affine (on the fused CPU kernels)": lambda t: F.layer_norm(t, t.shape[1:], weight, bias),
     }
     nodes = {}
     for name, norm in norms.items():
@@ -363,7 +365,8 @@ def _output_nodes() -> dict[str, list[str]]:
 
 def test_a_sharded_norm_is_one_autograd_node() -> None:
     """The norm's Function returns the ShardTensor itself: no conversion node between it and its
-    output (one cost tens of microseconds each way with the caches cold after the norm's kernels)."""
+    output (one cost tens of microseconds each way with the caches cold after the norm's kernels),
+    and layer norm's affine runs inside it, in its kernels' passes."""
     for nodes in run_on_ranks(2, _output_nodes):
         for name, chain in nodes.items():
             # the channel norms view the slab as (N, C, L) first

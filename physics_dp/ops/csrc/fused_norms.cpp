@@ -144,6 +144,82 @@ void grad_sums_kernel(const T* g, const T* x, const T* mean, int64_t samples, in
   }
 }
 
+// Layer norm's elementwise affine, per value j of a row: y = (a[r] * x + c[r]) * w[j] + b[j] (b may be null).
+template <typename T>
+void row_affine_elementwise_kernel(const T* x, const T* a, const T* c, const T* w, const T* b, int64_t rows,
+                                   int64_t length, T* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T ar = a[r], cr = c[r];
+    const T* xr = x + r * length;
+    T* o = out + r * length;
+    if (b) {
+#pragma omp simd
+      for (int64_t j = 0; j < length; ++j) o[j] = (ar * xr[j] + cr) * w[j] + b[j];
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < length; ++j) o[j] = (ar * xr[j] + cr) * w[j];
+    }
+  }
+}
+
+// out = a[r] * u * w[j] + b[r] * v + c[r]: layer norm's dx, with the gradient through the weight.
+template <typename T>
+void two_term_affine_elementwise_kernel(const T* u, const T* v, const T* w, const T* a, const T* b, const T* c,
+                                        int64_t rows, int64_t length, T* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T ar = a[r], br = b[r], cr = c[r];
+    const T* ur = u + r * length;
+    const T* vr = v + r * length;
+    T* o = out + r * length;
+#pragma omp simd
+    for (int64_t j = 0; j < length; ++j) o[j] = ar * ur[j] * w[j] + br * vr[j] + cr;
+  }
+}
+
+// Per row r of the contiguous (rows, length) dy and x, with g = dy * w: the sums of g and of
+// g * (x - mean[r]) in float64 (blocks of kBlock summed in the inputs' dtype); where grad_w is not
+// null also, per value j, the affine parameters' gradients summed over the rows: grad_w[j] of
+// dy * (x - mean[r]) * rstd[r], grad_b[j] of dy.  Blocks run over j outermost, so each block of the
+// parameters' gradients stays in cache while every row adds to it: one pass over dy and x.
+template <typename T>
+void weighted_grad_sums_kernel(const T* dy, const T* x, const T* w, const T* mean, const T* rstd, int64_t rows,
+                               int64_t length, double* sum_g, double* sum_g_centered, T* grad_w, T* grad_b) {
+  std::fill(sum_g, sum_g + rows, 0.0);
+  std::fill(sum_g_centered, sum_g_centered + rows, 0.0);
+  if (grad_w) {
+    std::fill(grad_w, grad_w + length, T(0));
+    std::fill(grad_b, grad_b + length, T(0));
+  }
+  for (int64_t start = 0; start < length; start += kBlock) {
+    const int64_t end = std::min(length, start + kBlock);
+    for (int64_t r = 0; r < rows; ++r) {
+      const T m = mean[r], s = rstd[r];
+      const T* dr = dy + r * length;
+      const T* xr = x + r * length;
+      T block = 0, block_centered = 0;
+      if (grad_w) {
+#pragma omp simd reduction(+ : block, block_centered)
+        for (int64_t j = start; j < end; ++j) {
+          const T centered = xr[j] - m, g = dr[j] * w[j];
+          block += g;
+          block_centered += g * centered;
+          grad_w[j] += dr[j] * centered * s;
+          grad_b[j] += dr[j];
+        }
+      } else {
+#pragma omp simd reduction(+ : block, block_centered)
+        for (int64_t j = start; j < end; ++j) {
+          const T g = dr[j] * w[j];
+          block += g;
+          block_centered += g * (xr[j] - m);
+        }
+      }
+      sum_g[r] += double(block);
+      sum_g_centered[r] += double(block_centered);
+    }
+  }
+}
+
 void check_float_or_double(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble,
               name, " must be float32 or float64, got ", t.scalar_type());
@@ -351,6 +427,62 @@ at::Tensor grad_sums(const at::Tensor& g, const at::Tensor& x, const at::Tensor&
   return sums;
 }
 
+void check_elementwise(const at::Tensor& u, const at::Tensor& w, const char* name) {
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == u.size(1) && w.is_contiguous() && w.scalar_type() == u.scalar_type(),
+              name, " must be a contiguous (length,) tensor of the rows' dtype, got ", w.sizes());
+}
+
+at::Tensor row_affine_elementwise(const at::Tensor& x, const at::Tensor& a, const at::Tensor& c, const at::Tensor& w,
+                                  const c10::optional<at::Tensor>& b) {
+  check_rows(x, "x");
+  check_coefficients(x, {&a, &c});
+  check_elementwise(x, w, "w");
+  const bool has_b = b.has_value() && b->defined();
+  if (has_b) check_elementwise(x, *b, "b");
+  auto out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "row_affine_elementwise", [&] {
+    row_affine_elementwise_kernel<scalar_t>(x.data_ptr<scalar_t>(), a.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(),
+                                            w.data_ptr<scalar_t>(), has_b ? b->data_ptr<scalar_t>() : nullptr,
+                                            x.size(0), x.size(1), out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
+at::Tensor two_term_affine_elementwise(const at::Tensor& u, const at::Tensor& v, const at::Tensor& w, const at::Tensor& a,
+                                       const at::Tensor& b, const at::Tensor& c) {
+  check_rows(u, "u");
+  TORCH_CHECK(v.sizes() == u.sizes() && v.is_contiguous() && v.scalar_type() == u.scalar_type(),
+              "v must be contiguous and match u");
+  check_coefficients(u, {&a, &b, &c});
+  check_elementwise(u, w, "w");
+  auto out = at::empty_like(u);
+  AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "two_term_affine_elementwise", [&] {
+    two_term_affine_elementwise_kernel<scalar_t>(u.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(),
+                                                 a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(),
+                                                 u.size(0), u.size(1), out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> weighted_grad_sums(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,
+                                                      const at::Tensor& mean, const at::Tensor& rstd, bool param_grads) {
+  check_rows(x, "x");
+  TORCH_CHECK(dy.sizes() == x.sizes() && dy.is_contiguous() && dy.scalar_type() == x.scalar_type(),
+              "dy must be contiguous and match x's shape and dtype, got ", dy.sizes(), " and ", x.sizes());
+  check_coefficients(x, {&mean, &rstd});
+  check_elementwise(x, w, "w");
+  auto sums = at::empty({2, x.size(0)}, x.options().dtype(at::kDouble));
+  auto grads = param_grads ? at::empty({2, x.size(1)}, x.options()) : at::empty({0}, x.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "weighted_grad_sums", [&] {
+    scalar_t* grad_w = param_grads ? grads.data_ptr<scalar_t>() : nullptr;
+    weighted_grad_sums_kernel<scalar_t>(dy.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(),
+                                        mean.data_ptr<scalar_t>(), rstd.data_ptr<scalar_t>(), x.size(0), x.size(1),
+                                        sums.data_ptr<double>(), sums.data_ptr<double>() + x.size(0), grad_w,
+                                        grad_w ? grad_w + x.size(1) : nullptr);
+  });
+  return {sums, grads};
+}
+
 }  // namespace
 
 // Registered with the dispatcher (torch.ops.physics_dp.*), so that profilers and dispatch modes see them.
@@ -362,6 +494,9 @@ TORCH_LIBRARY(physics_dp, m) {
   m.def("two_term_affine(Tensor u, Tensor v, Tensor a, Tensor b, Tensor c) -> Tensor");
   m.def("row_affine(Tensor x, Tensor a, Tensor b) -> Tensor");
   m.def("grad_sums(Tensor g, Tensor x, Tensor mean) -> Tensor");
+  m.def("row_affine_elementwise(Tensor x, Tensor a, Tensor c, Tensor w, Tensor? b) -> Tensor");
+  m.def("two_term_affine_elementwise(Tensor u, Tensor v, Tensor w, Tensor a, Tensor b, Tensor c) -> Tensor");
+  m.def("weighted_grad_sums(Tensor dy, Tensor x, Tensor w, Tensor mean, Tensor rstd, bool param_grads) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(physics_dp, CPU, m) {
@@ -372,4 +507,7 @@ TORCH_LIBRARY_IMPL(physics_dp, CPU, m) {
   m.impl("two_term_affine", &two_term_affine);
   m.impl("row_affine", &row_affine);
   m.impl("grad_sums", &grad_sums);
+  m.impl("row_affine_elementwise", &row_affine_elementwise);
+  m.impl("two_term_affine_elementwise", &two_term_affine_elementwise);
+  m.impl("weighted_grad_sums", &weighted_grad_sums);
 }
