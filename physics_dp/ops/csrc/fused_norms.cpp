@@ -90,29 +90,44 @@ void merge_moments_kernel(const double* gathered, int64_t ranks, int64_t stats, 
   packed[0] = total;
 }
 
-// out = a * u + b * v + c with (a, b, c) per row of the contiguous (rows, length) u and v.
+// out = a * u + b * v + c with (a, b, c) per row of the contiguous (rows, length) u and v; where w
+// is not null, a * u * w[j] + b * v + c (layer norm's dx, the gradient passing through its weight).
 template <typename T>
 void two_term_affine_kernel(
-    const T* u, const T* v, const T* a, const T* b, const T* c, int64_t rows, int64_t length, T* out) {
+    const T* u, const T* v, const T* w, const T* a, const T* b, const T* c, int64_t rows, int64_t length, T* out) {
   for (int64_t r = 0; r < rows; ++r) {
     const T ar = a[r], br = b[r], cr = c[r];
     const T* ur = u + r * length;
     const T* vr = v + r * length;
     T* o = out + r * length;
+    if (w) {
 #pragma omp simd
-    for (int64_t j = 0; j < length; ++j) o[j] = ar * ur[j] + br * vr[j] + cr;
+      for (int64_t j = 0; j < length; ++j) o[j] = ar * ur[j] * w[j] + br * vr[j] + cr;
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < length; ++j) o[j] = ar * ur[j] + br * vr[j] + cr;
+    }
   }
 }
 
-// out = a * x + b with (a, b) per row of the contiguous (rows, length) x.
+// out = a * x + c with (a, c) per row of the contiguous (rows, length) x; where w is not null,
+// (a * x + c) * w[j] + b[j] (layer norm's elementwise affine; b may be null).
 template <typename T>
-void row_affine_kernel(const T* x, const T* a, const T* b, int64_t rows, int64_t length, T* out) {
+void row_affine_kernel(const T* x, const T* a, const T* c, const T* w, const T* b, int64_t rows, int64_t length, T* out) {
   for (int64_t r = 0; r < rows; ++r) {
-    const T ar = a[r], br = b[r];
+    const T ar = a[r], cr = c[r];
     const T* xr = x + r * length;
     T* o = out + r * length;
+    if (!w) {
 #pragma omp simd
-    for (int64_t j = 0; j < length; ++j) o[j] = ar * xr[j] + br;
+      for (int64_t j = 0; j < length; ++j) o[j] = ar * xr[j] + cr;
+    } else if (b) {
+#pragma omp simd
+      for (int64_t j = 0; j < length; ++j) o[j] = (ar * xr[j] + cr) * w[j] + b[j];
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < length; ++j) o[j] = (ar * xr[j] + cr) * w[j];
+    }
   }
 }
 
@@ -141,38 +156,6 @@ void grad_sums_kernel(const T* g, const T* x, const T* mean, int64_t samples, in
     }
     sum_g[c] = total;
     sum_g_centered[c] = centered;
-  }
-}
-
-// Layer norm's elementwise affine, per value j of a row: y = (a[r] * x + c[r]) * w[j] + b[j] (b may be null).
-template <typename T>
-void row_affine_elementwise_kernel(const T* x, const T* a, const T* c, const T* w, const T* b, int64_t rows,
-                                   int64_t length, T* out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T ar = a[r], cr = c[r];
-    const T* xr = x + r * length;
-    T* o = out + r * length;
-    if (b) {
-#pragma omp simd
-      for (int64_t j = 0; j < length; ++j) o[j] = (ar * xr[j] + cr) * w[j] + b[j];
-    } else {
-#pragma omp simd
-      for (int64_t j = 0; j < length; ++j) o[j] = (ar * xr[j] + cr) * w[j];
-    }
-  }
-}
-
-// out = a[r] * u * w[j] + b[r] * v + c[r]: layer norm's dx, with the gradient through the weight.
-template <typename T>
-void two_term_affine_elementwise_kernel(const T* u, const T* v, const T* w, const T* a, const T* b, const T* c,
-                                        int64_t rows, int64_t length, T* out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T ar = a[r], br = b[r], cr = c[r];
-    const T* ur = u + r * length;
-    const T* vr = v + r * length;
-    T* o = out + r * length;
-#pragma omp simd
-    for (int64_t j = 0; j < length; ++j) o[j] = ar * ur[j] * w[j] + br * vr[j] + cr;
   }
 }
 
@@ -387,30 +370,51 @@ std::tuple<at::Tensor, at::Tensor> norm_grad_coefficients(
   return {coefficients.to(dtype), param_grads};
 }
 
-at::Tensor two_term_affine(const at::Tensor& u, const at::Tensor& v, const at::Tensor& a,
-                           const at::Tensor& b, const at::Tensor& c) {
+void check_elementwise(const at::Tensor& u, const at::Tensor& w, const char* name) {
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == u.size(1) && w.is_contiguous() && w.scalar_type() == u.scalar_type(),
+              name, " must be a contiguous (length,) tensor of the rows' dtype, got ", w.sizes());
+}
+
+// a * u (* w, where given) + b * v + c.
+at::Tensor two_term_affine_with(const at::Tensor& u, const at::Tensor& v, const at::Tensor* w, const at::Tensor& a,
+                                const at::Tensor& b, const at::Tensor& c) {
   check_rows(u, "u");
   TORCH_CHECK(v.sizes() == u.sizes() && v.is_contiguous() && v.scalar_type() == u.scalar_type(),
               "v must be contiguous and match u");
   check_coefficients(u, {&a, &b, &c});
+  if (w) check_elementwise(u, *w, "w");
   auto out = at::empty_like(u);
   AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "two_term_affine", [&] {
-    two_term_affine_kernel<scalar_t>(u.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), a.data_ptr<scalar_t>(),
-                                     b.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), u.size(0), u.size(1),
-                                     out.data_ptr<scalar_t>());
+    two_term_affine_kernel<scalar_t>(u.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), w ? w->data_ptr<scalar_t>() : nullptr,
+                                     a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(), u.size(0),
+                                     u.size(1), out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
+at::Tensor two_term_affine(const at::Tensor& u, const at::Tensor& v, const at::Tensor& a,
+                           const at::Tensor& b, const at::Tensor& c) {
+  return two_term_affine_with(u, v, nullptr, a, b, c);
+}
+
+// a * x + c, then (where given) * w + b.
+at::Tensor row_affine_with(const at::Tensor& x, const at::Tensor& a, const at::Tensor& c, const at::Tensor* w,
+                           const at::Tensor* b) {
+  check_rows(x, "x");
+  check_coefficients(x, {&a, &c});
+  if (w) check_elementwise(x, *w, "w");
+  if (b) check_elementwise(x, *b, "b");
+  auto out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "row_affine", [&] {
+    row_affine_kernel<scalar_t>(x.data_ptr<scalar_t>(), a.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(),
+                                w ? w->data_ptr<scalar_t>() : nullptr, b ? b->data_ptr<scalar_t>() : nullptr, x.size(0),
+                                x.size(1), out.data_ptr<scalar_t>());
   });
   return out;
 }
 
 at::Tensor row_affine(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b) {
-  check_rows(x, "x");
-  check_coefficients(x, {&a, &b});
-  auto out = at::empty_like(x);
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "row_affine", [&] {
-    row_affine_kernel<scalar_t>(x.data_ptr<scalar_t>(), a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(), x.size(0),
-                                x.size(1), out.data_ptr<scalar_t>());
-  });
-  return out;
+  return row_affine_with(x, a, b, nullptr, nullptr);
 }
 
 at::Tensor grad_sums(const at::Tensor& g, const at::Tensor& x, const at::Tensor& mean) {
@@ -427,41 +431,15 @@ at::Tensor grad_sums(const at::Tensor& g, const at::Tensor& x, const at::Tensor&
   return sums;
 }
 
-void check_elementwise(const at::Tensor& u, const at::Tensor& w, const char* name) {
-  TORCH_CHECK(w.dim() == 1 && w.size(0) == u.size(1) && w.is_contiguous() && w.scalar_type() == u.scalar_type(),
-              name, " must be a contiguous (length,) tensor of the rows' dtype, got ", w.sizes());
-}
-
 at::Tensor row_affine_elementwise(const at::Tensor& x, const at::Tensor& a, const at::Tensor& c, const at::Tensor& w,
                                   const c10::optional<at::Tensor>& b) {
-  check_rows(x, "x");
-  check_coefficients(x, {&a, &c});
-  check_elementwise(x, w, "w");
   const bool has_b = b.has_value() && b->defined();
-  if (has_b) check_elementwise(x, *b, "b");
-  auto out = at::empty_like(x);
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "row_affine_elementwise", [&] {
-    row_affine_elementwise_kernel<scalar_t>(x.data_ptr<scalar_t>(), a.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(),
-                                            w.data_ptr<scalar_t>(), has_b ? b->data_ptr<scalar_t>() : nullptr,
-                                            x.size(0), x.size(1), out.data_ptr<scalar_t>());
-  });
-  return out;
+  return row_affine_with(x, a, c, &w, has_b ? &*b : nullptr);
 }
 
 at::Tensor two_term_affine_elementwise(const at::Tensor& u, const at::Tensor& v, const at::Tensor& w, const at::Tensor& a,
                                        const at::Tensor& b, const at::Tensor& c) {
-  check_rows(u, "u");
-  TORCH_CHECK(v.sizes() == u.sizes() && v.is_contiguous() && v.scalar_type() == u.scalar_type(),
-              "v must be contiguous and match u");
-  check_coefficients(u, {&a, &b, &c});
-  check_elementwise(u, w, "w");
-  auto out = at::empty_like(u);
-  AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "two_term_affine_elementwise", [&] {
-    two_term_affine_elementwise_kernel<scalar_t>(u.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(),
-                                                 a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(), c.data_ptr<scalar_t>(),
-                                                 u.size(0), u.size(1), out.data_ptr<scalar_t>());
-  });
-  return out;
+  return two_term_affine_with(u, v, &w, a, b, c);
 }
 
 std::tuple<at::Tensor, at::Tensor> weighted_grad_sums(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,
