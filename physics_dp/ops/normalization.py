@@ -397,15 +397,17 @@ def _grad_terms(
 
 def _layer_norm_backward_on_cpu_kernels(
     grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    layout: _StatLayout, groups: tuple[ProcessGroup, ...], param_grads: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Layer norm's (dx, dweight, dbias) for (R, Q) rows and their elementwise (Q,) weight: one pass
-    for the sums through the weight and the parameters' gradients (None unless ``param_grads``),
-    the all-reduce, one pass for dx."""
+    layout: _StatLayout, groups: tuple[ProcessGroup, ...], input_grad: bool, param_grads: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Layer norm's (dx, dweight, dbias) for (R, Q) rows and their elementwise (Q,) weight (None where
+    not asked for): one pass for the sums through the weight and the parameters' gradients, the
+    all-reduce (every rank takes part, asked or not), one pass for dx."""
     coefficients = stats[2]  # rows (1 / std, shift, mean): no per-row weight
     sums, grads = fused_cpu.weighted_grad_sums(grad, rows, weight, coefficients[2], coefficients[0], param_grads)
     terms, _ = _grad_terms(sums, stats, None, 1, layout, groups, rows.dtype)
-    grad_x = fused_cpu.two_term_affine_elementwise(grad, rows, weight, coefficients[0], terms[0], terms[1])
+    grad_x = None
+    if input_grad:
+        grad_x = fused_cpu.two_term_affine_elementwise(grad, rows, weight, coefficients[0], terms[0], terms[1])
     return grad_x, grads[0] if param_grads else None, grads[1] if param_grads else None
 
 
@@ -514,10 +516,10 @@ class _NormalizeGlobally(torch.autograd.Function):
             leading, length = rows.shape[1:]
             grad_x, grad_w, grad_b = _layer_norm_backward_on_cpu_kernels(
                 grad.view(leading, length), rows.view(leading, length), ctx.weight, ctx.stats, ctx.layout, ctx.groups,
-                needs[5] or needs[6],
+                needs[0], needs[5] or needs[6],
             )
             return (
-                grad_x.view(grad.shape).to(slab.dtype), None, None, None, None,
+                None if grad_x is None else grad_x.view(grad.shape).to(slab.dtype), None, None, None, None,
                 grad_w.view(weight.shape).to(weight.dtype) if needs[5] else None,
                 grad_b.view(bias.shape).to(bias.dtype) if bias is not None and needs[6] else None,
             )

@@ -273,27 +273,36 @@ def _norm_ops(enabled: bool) -> set[str]:
         fused_cpu.set_enabled(previous)
 
 
-def _layer_norm_ops(enabled: bool) -> set[str]:
+def _layer_norm_ops(enabled: bool, input_grad: bool = True) -> tuple[set[str], float]:
+    """The ops a sharded layer norm with affine parameters runs, and its weight gradient's largest
+    difference from one device's."""
     from physics_dp.shard_tensor import Shard, distribute_tensor
 
     previous = fused_cpu.set_enabled(enabled)
     try:
-        x = distribute_tensor(torch.randn(2, 4, 12, 6), get_mesh((2,)), [Shard(2)]).requires_grad_(True)
+        full = torch.randn(2, 4, 12, 6, generator=torch.Generator().manual_seed(0))
+        x = distribute_tensor(full, get_mesh((2,)), [Shard(2)]).requires_grad_(input_grad)
         weight, bias = torch.randn(4, 12, 6, requires_grad=True), torch.randn(4, 12, 6, requires_grad=True)
         with _Ops() as ops:
             F.layer_norm(x, (4, 12, 6), weight, bias).square().sum().backward()
-        return ops.names
+        reference = weight.detach().clone().requires_grad_(True)
+        F.layer_norm(full, (4, 12, 6), reference, bias.detach()).square().sum().backward()
+        return ops.names, (weight.grad - reference.grad).abs().max().item()
     finally:
         fused_cpu.set_enabled(previous)
 
 
 def test_a_sharded_layer_norm_applies_its_affine_in_the_kernels_passes() -> None:
-    fused = run_on_ranks(2, _layer_norm_ops, True)[0]
+    fused, error = run_on_ranks(2, _layer_norm_ops, True)[0]
     kernels = ("norm_moments", "row_affine_elementwise", "weighted_grad_sums", "two_term_affine_elementwise")
-    assert {f"physics_dp::{kernel}" for kernel in kernels} <= fused
+    assert {f"physics_dp::{kernel}" for kernel in kernels} <= fused and error < 1e-4
     assert "aten::addcmul" not in fused  # no separate affine pass
-    stock = run_on_ranks(2, _layer_norm_ops, False)[0]
-    assert "aten::addcmul" in stock
+    stock, error = run_on_ranks(2, _layer_norm_ops, False)[0]
+    assert "aten::addcmul" in stock and error < 1e-4
+    # only the gradients asked for: an input that needs none gets no dx pass
+    params_only, error = run_on_ranks(2, _layer_norm_ops, True, False)[0]
+    assert "physics_dp::weighted_grad_sums" in params_only and error < 1e-4
+    assert "physics_dp::two_term_affine_elementwise" not in params_only
 
 
 def test_a_sharded_group_norm_takes_the_kernels_on_ranks() -> None:
