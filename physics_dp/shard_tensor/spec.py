@@ -19,6 +19,7 @@ from .placements import Placement, Replicate, Shard, StridedShard, normalize_pla
 __all__ = ["ShardTensorSpec", "balanced_sizes", "chunk_sizes", "contiguous_strides", "memory_order", "in_memory_order"]
 
 _Derived = TypeVar("_Derived")
+_DERIVED_LIMIT = 64  # values a spec keeps (see ShardTensorSpec.derived)
 
 
 def balanced_sizes(extent: int, parts: int) -> tuple[int, ...]:
@@ -198,12 +199,15 @@ class ShardTensorSpec:
     def derived(self, key: Hashable, build: Callable[[], _Derived]) -> _Derived:
         """``build()``, made once per spec and ``key``, for what depends on this layout alone (a
         view's output spec).  Tensors of one layout share its spec (a pointwise result keeps its
-        input's; a cached plan hands out the same output spec at every call), so a step's op on
-        them plans once, not per call.  It lives as long as the spec, whose mesh it may hold."""
+        input's, so does a norm's output), so their ops plan once, not per call.  It lives as long
+        as the spec, whose mesh it may hold; at most ``_DERIVED_LIMIT`` keys, so a long-lived
+        tensor viewed in ever new shapes does not grow it without bound."""
         if self._derived is None:
             self._derived = {}
         value = self._derived.get(key)
         if value is None:
+            if len(self._derived) >= _DERIVED_LIMIT:
+                self._derived.clear()
             value = self._derived[key] = build()
         return value
 

@@ -141,6 +141,24 @@ def _view_plans_per_spec():
     return planned, first._spec is again._spec is of_pointwise._spec
 
 
+def _memo_sizes_of_ever_new_views():
+    from physics_dp.shard_tensor import spec as spec_module
+
+    x = distribute_tensor(torch.randn(4, 5040), get_mesh((2,)), [Shard(0)])
+    divisors = [d for d in range(1, 5041) if 5040 % d == 0]
+    shapes = [(4, a, b, 5040 // (a * b)) for a in divisors for b in divisors if 5040 % (a * b) == 0][:150]
+    sizes = []
+    for shape in shapes:  # more than a spec keeps
+        x.view(shape)
+        sizes.append(len(x._spec._derived))
+    return len(shapes), max(sizes), spec_module._DERIVED_LIMIT
+
+
+def test_a_spec_keeps_a_bounded_number_of_view_plans():
+    for shapes, largest, limit in run_on_ranks(2, _memo_sizes_of_ever_new_views):
+        assert shapes > limit and largest <= limit
+
+
 def test_views_of_one_layout_plan_once_per_spec():
     # a pointwise result keeps its input's spec, so its views reuse the plan too
     for planned, same_spec in run_on_ranks(2, _view_plans_per_spec):
