@@ -103,13 +103,19 @@ def local_param(param: torch.Tensor | None, like: ShardTensor, axes: Sequence[in
     return sum_grad_over_axes(param, like.device_mesh, data_axes(like) if axes is None else axes)
 
 
-def wrap_local(local: torch.Tensor, like: ShardTensor, shape: Sequence[int], axis_sizes: Sequence[Sequence[int] | None]) -> ShardTensor:
-    """Wrap a local result as a ShardTensor on ``like``'s mesh and placements with the given split."""
-    return wrap_local_as(local, ShardTensorSpec(like.device_mesh, like.placements, shape, axis_sizes))
+def wrap_local(
+    local: torch.Tensor, like: ShardTensor, shape: Sequence[int], axis_sizes: Sequence[Sequence[int] | None],
+    order: Sequence[int] | None = None,
+) -> ShardTensor:
+    """Wrap a local result as a ShardTensor on ``like``'s mesh and placements with the given split,
+    row-major or with its dims in memory as ``order`` (see :mod:`.memory_format`)."""
+    spec = ShardTensorSpec(like.device_mesh, like.placements, shape, axis_sizes)
+    return wrap_local_as(local, spec if order is None else spec.in_order(order))
 
 
 def wrap_local_as(local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
-    """Wrap a local result as a ShardTensor of a contiguous ``spec`` (an op handler's output)."""
+    """Wrap a local result as a ShardTensor of a dense ``spec`` (an op handler's output), laid out
+    as the spec says (a copy only where it is not)."""
     if spec.local_shape() != local.shape:
         raise RuntimeError(f"local result of shape {tuple(local.shape)} does not match {spec}: a bug in the op handler")
     return from_local_with_spec(local, spec)

@@ -33,6 +33,7 @@ from ..shard_tensor import Partial, Replicate, ShardTensor, ShardTensorSpec
 from ._args import bind, per_dim, single_device_shape
 from ._local import ShardedOpError, local_input, local_param, sharded_axes, wrap_local, wrap_local_as
 from .call_plans import HaloPlan, PlanCache, hashable, layout_key
+from .memory_format import in_output_layout, output_order, weight_like_output
 from .halo import Window, gather_window
 from .halo_conv import eligible_geometry, halo_conv
 from .halo_conv_transpose import eligible_transposed_geometry, halo_conv_transpose
@@ -219,7 +220,7 @@ def _cached_plan(
 ) -> HaloPlan | None:
     x, weight, bias = bound["input"], bound["weight"], bound["bias"]
     key = (
-        func, layout_key(x), weight.shape, None if bias is None else bias.shape,
+        func, layout_key(x), weight.shape, weight.stride(), None if bias is None else bias.shape,
         *(hashable(value) for name, value in bound.items() if name not in _TENSOR_ARGS),
     )
     return _HALO_PLANS.plan(key, x.device_mesh, lambda: build(func, bound, nd))
@@ -232,20 +233,24 @@ def _one_sharded_spatial_dim(x: ShardTensor, nd: int) -> tuple[int, int] | None:
     return spatial_shards[0] if x.ndim == nd + 2 and len(spatial_shards) == 1 else None
 
 
-def _slab_plan(x: ShardTensor, geometry: Any, axis: int, out_shape: Sequence[int], out_split: Sequence[int]) -> HaloPlan | None:
-    """The plan of an eligible ``geometry``: the output keeps ``x``'s placements, with ``out_split`` along ``axis``."""
+def _slab_plan(
+    x: ShardTensor, weight: torch.Tensor, geometry: Any, axis: int, out_shape: Sequence[int], out_split: Sequence[int]
+) -> HaloPlan | None:
+    """The plan of an eligible ``geometry``: the output keeps ``x``'s placements, with ``out_split``
+    along ``axis``, in the memory layout torch gives it (:mod:`.memory_format`)."""
     if geometry is None:
         return None
     axis_sizes = list(x._spec.axis_sizes)
     axis_sizes[axis] = tuple(out_split)
-    return HaloPlan(geometry, axis, ShardTensorSpec(x.device_mesh, x.placements, out_shape, axis_sizes))
+    spec = ShardTensorSpec(x.device_mesh, x.placements, out_shape, axis_sizes)
+    return HaloPlan(geometry, axis, in_output_layout(spec, output_order(x, weight)))
 
 
 def _run_plan(plan: HaloPlan, op: Callable, bound: dict[str, Any]) -> ShardTensor:
     """``op(slab, weight, bias, geometry, group)`` wrapped with the plan's output spec."""
     x = bound["input"]
-    weight, bias = local_param(bound["weight"], x), local_param(bound["bias"], x)
-    local = op(local_input(x), weight, bias, plan.geometry, x.device_mesh.get_group(plan.axis))
+    weight = weight_like_output(local_param(bound["weight"], x), plan.out_spec)
+    local = op(local_input(x), weight, local_param(bound["bias"], x), plan.geometry, x.device_mesh.get_group(plan.axis))
     return wrap_local_as(local, plan.out_spec)
 
 
@@ -297,7 +302,7 @@ def _halo_conv_plan(func: Any, bound: dict[str, Any], nd: int) -> HaloPlan | Non
         spec.axis_sizes[axis], spec.coordinate()[axis], dim, kernel[i], stride[i], dilation[i], padding[i],
         padding=tuple(left for left, _ in padding), stride=stride, dilation=dilation, groups=bound["groups"],
     )
-    return _slab_plan(x, geometry, axis, out_shape, conv_output_split(spec.axis_sizes[axis], out_shape[dim], *stencils[i]))
+    return _slab_plan(x, bound["weight"], geometry, axis, out_shape, conv_output_split(spec.axis_sizes[axis], out_shape[dim], *stencils[i]))
 
 
 def _conv(func: Any, bound: dict[str, Any], nd: int) -> ShardTensor:
@@ -335,7 +340,7 @@ def _conv(func: Any, bound: dict[str, Any], nd: int) -> ShardTensor:
     for dim, count in counts.items():
         if y.shape[dim] != count:
             y = y.narrow(dim, 0, count)
-    return wrap_local(y, x, out_shape, axis_sizes)
+    return wrap_local(y, x, out_shape, axis_sizes, output_order(x, bound["weight"]))
 
 
 def _transposed_halo_plan(func: Any, bound: dict[str, Any], nd: int) -> HaloPlan | None:
@@ -352,7 +357,7 @@ def _transposed_halo_plan(func: Any, bound: dict[str, Any], nd: int) -> HaloPlan
         stride=stride, padding=per_dim(bound["padding"], nd), output_padding=per_dim(bound["output_padding"], nd),
         dilation=per_dim(bound["dilation"], nd), groups=bound["groups"],
     )
-    return _slab_plan(x, geometry, axis, out_shape, [stride[dim - 2] * size for size in spec.axis_sizes[axis]])
+    return _slab_plan(x, bound["weight"], geometry, axis, out_shape, [stride[dim - 2] * size for size in spec.axis_sizes[axis]])
 
 
 def _conv_transpose(func: Any, bound: dict[str, Any], nd: int) -> ShardTensor:
@@ -383,7 +388,7 @@ def _conv_transpose(func: Any, bound: dict[str, Any], nd: int) -> ShardTensor:
         y = _pad_dim(y, dim, -first, first + count - y.shape[dim])
     if bound["bias"] is not None:
         y = y + local_param(bound["bias"], x).reshape(-1, *([1] * nd))
-    return wrap_local(y, x, out_shape, axis_sizes)
+    return wrap_local(y, x, out_shape, axis_sizes, output_order(x, bound["weight"]))
 
 
 def _conv_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
@@ -403,7 +408,7 @@ def _local_run(func: Any, bound: dict[str, Any]) -> ShardTensor:
     out_shape = single_device_shape(func, bound)
     weight, bias = local_param(bound["weight"], x), local_param(bound["bias"], x)
     values = dict(bound, input=local_input(x), weight=weight, bias=bias)
-    return wrap_local(func(*values.values()), x, out_shape, x._spec.axis_sizes)
+    return wrap_local(func(*values.values()), x, out_shape, x._spec.axis_sizes, output_order(x, bound["weight"]))
 
 
 # ----- F.pad ----------------------------------------------------------------------------------
@@ -429,7 +434,8 @@ def _pad_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
         else:
             extent = local.shape[dim]
             local = gather_window(local, dim, (extent,), ((-left, extent + right),), mode=mode, value=fill)
-    return wrap_local(local, x, out_shape, axis_sizes)
+    # torch keeps channels last except for circular padding
+    return wrap_local(local, x, out_shape, axis_sizes, None if mode == "circular" else output_order(x))
 
 
 for _func in _CONVS:

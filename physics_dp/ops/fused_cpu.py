@@ -19,6 +19,12 @@ fused ``layer_norm`` applies them in its own: ``row_affine_elementwise`` (the ou
 ``weighted_grad_sums`` (the backward's sums through the weight, and the parameters' gradients in
 the same pass) and ``two_term_affine_elementwise`` (dx).
 
+Four more take a channels-last slab, viewed as (samples, length, channels) with the channels
+innermost, where the others take (samples, channels, length) rows: ``channels_last_moments``,
+``channels_last_affine``, ``channels_last_two_term_affine`` and ``channels_last_grad_sums`` (a
+channels-last model's norms then read and write its own layout; copied row-major, every norm took two
+more passes, and the convolutions after it reordered their input back).
+
 Three more do the arithmetic on the few statistics in between, each in one call where it took
 about twenty small tensor ops per norm (a fixed host cost per call, 0.2-0.5 ms with the caches cold
 after the slab's passes): ``merge_moments`` (Chan's merge of the ranks' statistics),
@@ -48,7 +54,8 @@ from ..distributed.tracing import is_tracing
 
 __all__ = [
     "usable", "norm_moments", "merge_moments", "norm_coefficients", "norm_grad_coefficients", "two_term_affine", "row_affine",
-    "grad_sums", "row_affine_elementwise", "two_term_affine_elementwise", "weighted_grad_sums", "set_enabled", "build",
+    "grad_sums", "row_affine_elementwise", "two_term_affine_elementwise", "weighted_grad_sums", "channels_last_moments",
+    "channels_last_affine", "channels_last_two_term_affine", "channels_last_grad_sums", "set_enabled", "build",
 ]
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "fused_norms.cpp")
@@ -162,6 +169,33 @@ def weighted_grad_sums(
     dy * (x - mean) * rstd and dy, stacked (2, Q) in x's dtype (else empty), in the same pass.
     ``mean`` and ``rstd`` are (P,) of x's dtype (once :func:`usable` said yes)."""
     return torch.ops.physics_dp.weighted_grad_sums(dy, x, w, mean, rstd, param_grads)
+
+
+def channels_last_moments(x: torch.Tensor, groups: int, per_sample: bool) -> torch.Tensor:
+    """:func:`norm_moments` of a channels-last slab, the contiguous (N, L, C) view of it (once
+    :func:`usable` said yes)."""
+    return torch.ops.physics_dp.channels_last_moments(x, groups, per_sample)
+
+
+def channels_last_affine(x: torch.Tensor, a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a * x + c`` for a contiguous (N, L, C) ``x`` and (N * C,) coefficients of its dtype, one per
+    (sample, channel) (once :func:`usable` said yes)."""
+    return torch.ops.physics_dp.channels_last_affine(x, a, c)
+
+
+def channels_last_two_term_affine(
+    u: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor
+) -> torch.Tensor:
+    """``a * u + b * v + c`` for contiguous (N, L, C) ``u`` and ``v`` and (N * C,) coefficients, all
+    of one dtype (once :func:`usable` said yes)."""
+    return torch.ops.physics_dp.channels_last_two_term_affine(u, v, a, b, c)
+
+
+def channels_last_grad_sums(g: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, per_sample: bool) -> torch.Tensor:
+    """The sums over L of g and of g * (x - mean) for contiguous (N, L, C) ``g`` and ``x``, per
+    (sample, channel) with an (N * C,) ``mean``, or per channel over the samples too with a (C,)
+    one; stacked (2, statistics), float64 (once :func:`usable` said yes)."""
+    return torch.ops.physics_dp.channels_last_grad_sums(g, x, mean, per_sample)
 
 
 def build() -> bool:

@@ -166,7 +166,7 @@ class SumGradOverGroups(torch.autograd.Function):
         ctx.param = param if ctx.deferrable else None
         if ctx.deferrable and _stashes and torch._C._current_graph_task_id() == -1:
             _stashes.clear()  # outside every backward pass: stashes left by passes that raised
-        return param.view_as(param)
+        return torch.ops.aten.alias(param)  # (view_as would recompute the strides of size-1 dims)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]

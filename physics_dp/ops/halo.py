@@ -28,6 +28,7 @@ from torch.distributed import ProcessGroup
 from ..distributed import collectives
 from ..distributed.tracing import is_tracing
 from ..shard_tensor import ShardTensorSpec
+from ..shard_tensor.spec import channels_last_order, in_memory_order
 from .grad_sums import creating_graph
 
 __all__ = [
@@ -331,8 +332,12 @@ class _GatherWindow(torch.autograd.Function):
         if not plan.segments:
             return local.new_empty(with_extent(local.shape, dim, 0))
         if _is_whole_slab(plan.segments, plan.me, local.shape[dim]):
-            return local.view_as(local)  # the window is the slab: no copy
-        return torch.cat([_segment_rows(pieces[s.source], dim, s) for s in plan.segments], dim)
+            return torch.ops.aten.alias(local)  # the window is the slab: no copy (and every stride kept)
+        rows = [_segment_rows(pieces[s.source], dim, s) for s in plan.segments]
+        order = channels_last_order(local)
+        if order is not None:  # the halo rows laid out as the slab: torch.cat then keeps its layout
+            rows = [in_memory_order(r, order) for r in rows]
+        return torch.cat(rows, dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]

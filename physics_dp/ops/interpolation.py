@@ -35,6 +35,7 @@ from ..shard_tensor import ShardTensor, ShardTensorSpec
 from ._args import bind
 from ._local import ShardedOpError, local_input, sharded_axes, wrap_local, wrap_local_as
 from .call_plans import HaloPlan, PlanCache, hashable, layout_key
+from .memory_format import in_output_layout, output_order
 from .conv import check_stencil_layout, window_inside
 from .halo_resample import BorderPlan, ResampleGeometry, halo_resample
 from .indexing import offsets
@@ -390,7 +391,7 @@ def _halo_resample_plan(func: Any, bound: dict[str, Any], x: ShardTensor) -> Hal
         return None
     geometry = ResampleGeometry(split.dim, mode, tuple(factors), split.sizes, split.me, borders)
     out_spec = ShardTensorSpec(x.device_mesh, x.placements, out_shape, output_axis_sizes(x, splits))
-    return HaloPlan(geometry, split.axis, out_spec)
+    return HaloPlan(geometry, split.axis, in_output_layout(out_spec, output_order(x)))
 
 
 def _kept_despite_the_factor(x: ShardTensor, bound: dict[str, Any], out_shape: torch.Size) -> list[int]:
@@ -420,7 +421,7 @@ def _resize(x: ShardTensor, bound: dict[str, Any], out_shape: torch.Size) -> Sha
     else:
         for split, taps in plans[::-1] if bound["antialias"] else plans:  # torch's antialias kernel: last dim first
             local = resample(local, split.dim, taps, split.first, split.count, split.window[0])
-    return wrap_local(local, x, out_shape, output_axis_sizes(x, splits))
+    return wrap_local(local, x, out_shape, output_axis_sizes(x, splits), output_order(x))
 
 
 class _Crop(torch.autograd.Function):
@@ -473,7 +474,7 @@ def _interpolate_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> 
     rest = {name: value for name, value in bound.items() if name != "input"}
     if not any(dim >= 2 for _, dim in sharded_axes(x)):
         local = run_planewise(lambda t: func(t, **rest), local_input(x), x.ndim - 2)
-        return wrap_local(local, x, x.shape[:2] + local.shape[2:], x._spec.axis_sizes)
+        return wrap_local(local, x, x.shape[:2] + local.shape[2:], x._spec.axis_sizes, output_order(x))
     key = (func, layout_key(x), x.dtype, *(hashable(value) for value in rest.values()))
     plan = _HALO_PLANS.plan(key, x.device_mesh, lambda: _halo_resample_plan(func, bound, x))
     if plan is not None:

@@ -38,6 +38,7 @@ from ..distributed.tracing import is_tracing
 from ..shard_tensor import Replicate, ShardTensor, ShardTensorSpec
 from ..shard_tensor.conversions import function_output, slab_gradient
 from ..shard_tensor.dispatch import run_default
+from ..shard_tensor.spec import CHANNELS_LAST_ORDERS, in_spec_order
 from . import fused_cpu
 from .autocast import fp32_where_autocast_does
 from ._local import (
@@ -51,7 +52,8 @@ __all__: list[str] = []
 
 # ----- group, batch and instance norm: fused statistics, closed-form backward ------------------
 class _StatLayout:
-    """Which (N, C, L) entries share a statistic: ``groups`` runs of channels, per sample or not.
+    """Which (N, C, L) entries share a statistic: ``groups`` runs of channels, per sample or not;
+    ``channels_last``: the work is a channels-last slab viewed as (N, L, C) instead.
 
     Group norm: per (sample, group); instance norm: per (sample, channel) (groups = C); batch norm:
     per channel over the whole batch (``per_sample`` False, groups = C).  Statistics and the
@@ -59,10 +61,10 @@ class _StatLayout:
     (N, groups, channels per group) and against the per-parameter (groups, channels per group).
     """
 
-    __slots__ = ("groups", "per_sample")
+    __slots__ = ("groups", "per_sample", "channels_last")
 
-    def __init__(self, groups: int, per_sample: bool) -> None:
-        self.groups, self.per_sample = groups, per_sample
+    def __init__(self, groups: int, per_sample: bool, channels_last: bool = False) -> None:
+        self.groups, self.per_sample, self.channels_last = groups, per_sample, channels_last
 
     def local_moments(self, x3: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor, _LocalRows | None]:
         """(values per statistic, mean, biased variance) of the slab, shaped (N or 1, groups), and
@@ -115,7 +117,14 @@ def _returned(ctx, y: torch.Tensor, out: _Output | None) -> torch.Tensor:
     if out is None:
         return y
     ctx.work = (y.shape, y.dtype)
-    return function_output(y.view(out.spec.local_shape()).to(out.dtype), out.spec)
+    shape = out.spec.local_shape()
+    if ctx.layout.channels_last:  # the (N, L, C) work is the channels-last slab's memory
+        order = CHANNELS_LAST_ORDERS[len(shape)]
+        local = y.view([shape[d] for d in order]).permute(_inverse(order))
+    else:
+        local = y.view(shape)
+        local = local if out.spec.is_contiguous() else in_spec_order(local, out.spec)
+    return function_output(local.to(out.dtype), out.spec)
 
 
 def _work_gradient(ctx, grad: torch.Tensor) -> torch.Tensor:
@@ -123,7 +132,14 @@ def _work_gradient(ctx, grad: torch.Tensor) -> torch.Tensor:
     if ctx.out is None:
         return grad
     shape, dtype = ctx.work
-    return slab_gradient(grad, ctx.out.spec).reshape(shape).to(dtype)
+    grad = slab_gradient(grad, ctx.out.spec)
+    if ctx.layout.channels_last:
+        grad = grad.permute(CHANNELS_LAST_ORDERS[grad.ndim])
+    return grad.reshape(shape).to(dtype)
+
+
+def _inverse(order: Sequence[int]) -> list[int]:
+    return sorted(range(len(order)), key=order.__getitem__)
 
 
 @functools.lru_cache(maxsize=64)
@@ -340,9 +356,11 @@ def _normalize_on_cpu_kernels(
     """The normalization of an (N, C, L) slab from :mod:`.fused_cpu`'s kernels, five calls: the
     slab's statistics, their merge over the ranks, the coefficients, then y = scale * x + shift.
     Returns y and the statistics the backward takes (packed moments, 1 / std, coefficients)."""
-    n, channels, length = x3.shape
     stats = _cpu_statistics(x3, weight, bias, layout, groups, eps)
     coefficients = stats[2]
+    if layout.channels_last:
+        return fused_cpu.channels_last_affine(x3, coefficients[0], coefficients[1]), stats
+    n, channels, length = x3.shape
     y = fused_cpu.row_affine(x3.view(n * channels, length), coefficients[0], coefficients[1]).view(n, channels, length)
     return y, stats
 
@@ -353,8 +371,13 @@ def _cpu_statistics(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(packed moments merged over the ranks, 1 / std, rows (scale, shift, mean) per (sample, channel))
     of an (N, C, L) slab from :mod:`.fused_cpu`'s kernels."""
-    n, channels, _ = x3.shape
-    packed = merge_packed(fused_cpu.norm_moments(x3, layout.groups, layout.per_sample), groups)
+    if layout.channels_last:
+        n, _, channels = x3.shape
+        moments = fused_cpu.channels_last_moments(x3, layout.groups, layout.per_sample)
+    else:
+        n, channels, _ = x3.shape
+        moments = fused_cpu.norm_moments(x3, layout.groups, layout.per_sample)
+    packed = merge_packed(moments, groups)
     coefficients, rstd = fused_cpu.norm_coefficients(
         packed, weight, bias, eps, (n, channels), layout.groups, layout.per_sample, x3.dtype
     )
@@ -369,15 +392,22 @@ def _normalize_backward_on_cpu_kernels(
     :mod:`.fused_cpu`'s kernels: the sums of dy and dy * (x - mean) per (sample, channel),
     all-reduced, the coefficients, then dx in one pass."""
     coefficients = stats[2]
-    n, channels, length = x3.shape
-    rows = (n * channels, length)
-    if layout.per_sample:  # statistics per (sample, channel): one row each
-        sums = fused_cpu.grad_sums(grad.view(1, *rows), x3.view(1, *rows), coefficients[2])
-    else:  # batch statistics: the kernel sums the rank's part of the batch too
-        sums = fused_cpu.grad_sums(grad, x3, coefficients[2, :channels])
+    if layout.channels_last:
+        n, _, channels = x3.shape
+        mean = coefficients[2] if layout.per_sample else coefficients[2, :channels]
+        sums = fused_cpu.channels_last_grad_sums(grad, x3, mean, layout.per_sample)
+    else:
+        n, channels, length = x3.shape
+        rows = (n * channels, length)
+        if layout.per_sample:  # statistics per (sample, channel): one row each
+            sums = fused_cpu.grad_sums(grad.view(1, *rows), x3.view(1, *rows), coefficients[2])
+        else:  # batch statistics: the kernel sums the rank's part of the batch too
+            sums = fused_cpu.grad_sums(grad, x3, coefficients[2, :channels])
     terms, param_grads = _grad_terms(sums, stats, weight, n, layout, groups, x3.dtype)
     grad_x = None
-    if needs[0]:
+    if needs[0] and layout.channels_last:
+        grad_x = fused_cpu.channels_last_two_term_affine(grad, x3, coefficients[0], terms[0], terms[1])
+    elif needs[0]:
         grad_x = fused_cpu.two_term_affine(grad.view(rows), x3.view(rows), coefficients[0], terms[0], terms[1])
         grad_x = grad_x.view(n, channels, length)
     return grad_x, param_grads[0] if needs[1] else None, param_grads[1] if needs[2] else None
@@ -425,9 +455,11 @@ def _channel_norm(
     bias: torch.Tensor | None,
     stat_dims: Sequence[int],
     eps: float,
+    keeps_channels_last: bool,
 ) -> tuple[ShardTensor, torch.Tensor, torch.Tensor]:
     """Normalize the slab ``local`` of ``x`` with statistics over ``stat_dims`` of the global tensor:
-    the output ShardTensor, and the statistics (float64, for running averages).
+    the output ShardTensor, and the statistics (float64, for running averages).  A channels-last
+    input gives a channels-last output where ``keeps_channels_last`` (as torch's op does).
 
     The affine parameters' gradients come out of the statistics' all-reduce already summed over
     the axes that shard ``stat_dims``; only the remaining data axes (e.g. a split batch in group
@@ -437,9 +469,23 @@ def _channel_norm(
     other_axes = [axis for axis in data_axes(x) if axis not in stat_axes]
     w, b = local_param(weight, x, other_axes), local_param(bias, x, other_axes)
     work = local.float() if local.dtype in LOW_PRECISION else local
-    x3 = work.reshape(work.shape[0], work.shape[1], math.prod(work.shape[2:]))
+    tokens = _channels_last_work(x, work) if keeps_channels_last else None
+    if tokens is not None:  # the slab's own memory, channels innermost
+        x3, layout = tokens, _StatLayout(layout.groups, layout.per_sample, channels_last=True)
+    else:
+        x3 = work.reshape(work.shape[0], work.shape[1], math.prod(work.shape[2:]))
     groups = tuple(groups_spanning(x.device_mesh, tuple(stat_axes)))
-    return _ChannelNorm.apply(x3, w, b, layout, groups, eps, _Output(_output_spec(x), local.dtype))
+    return _ChannelNorm.apply(x3, w, b, layout, groups, eps, _Output(_output_spec(x, keeps_channels_last), local.dtype))
+
+
+def _channels_last_work(x: ShardTensor, work: torch.Tensor) -> torch.Tensor | None:
+    """A channels-last slab as the (N, L, C) view of its memory where :mod:`.fused_cpu`'s
+    channels-last kernels serve it, else None (its rows are copied out row-major)."""
+    if not x._spec.is_channels_last():
+        return None
+    tokens = work.permute(CHANNELS_LAST_ORDERS[work.ndim])
+    tokens = tokens.reshape(tokens.shape[0], -1, tokens.shape[-1]) if tokens.is_contiguous() else None
+    return tokens if tokens is not None and fused_cpu.usable(tokens) else None
 
 
 # ----- layer norm over sharded dims: global statistics per leading index -----------------------
@@ -553,8 +599,9 @@ def _differentiated(ctx, grad: torch.Tensor, again: Callable[..., tuple]) -> lis
 
 def _channel_norm_again(ctx) -> tuple[torch.Tensor, tuple]:
     """Group, batch or instance norm of the saved slab (see :class:`_ChannelNorm`), differentiably."""
-    x3, weight, bias = ctx.saved_tensors
+    work, weight, bias = ctx.saved_tensors
     layout, groups, total = ctx.layout, ctx.groups, ctx.total
+    x3 = work.transpose(1, 2) if layout.channels_last else work  # (N, C, L)
     n, c, length = x3.shape
     per_group = (layout.groups, c // layout.groups)
     xd = x3.double()
@@ -564,12 +611,13 @@ def _channel_norm_again(ctx) -> tuple[torch.Tensor, tuple]:
     s1, s2 = sum_shares(sums.view(2, -1, *per_group).sum(-1, keepdim=True), groups)  # (N or 1, groups, 1) each
     mean = s1 / total
     rstd = torch.rsqrt(s2 / total - mean.square() + ctx.eps)
-    y = ((xd.view(n, *per_group, length) - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)).view(n, c, length)
+    y = ((xd.reshape(n, *per_group, length) - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)).view(n, c, length)
     if weight is not None:  # the statistics' ranks each hold a share of the affine gradients
         y = y * SumGradOverGroups.apply(weight, groups).double().unsqueeze(-1)
     if bias is not None:
         y = y + SumGradOverGroups.apply(bias, groups).double().unsqueeze(-1)
-    return y.to(x3.dtype), (x3, weight, bias)
+    y = y.transpose(1, 2) if layout.channels_last else y
+    return y.to(work.dtype), (work, weight, bias)
 
 
 def _normalize_again(ctx) -> tuple[torch.Tensor, tuple]:
@@ -610,16 +658,18 @@ _AUTOCAST_PROBES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def _output_spec(x: ShardTensor) -> ShardTensorSpec:
-    """Normalization keeps the input's shape, placements and split: a contiguous input's very spec."""
-    if x._spec.is_contiguous():
+def _output_spec(x: ShardTensor, keeps_channels_last: bool) -> ShardTensorSpec:
+    """Normalization keeps the input's shape, placements and split: a contiguous input's very spec,
+    and a channels-last one's where torch's op keeps channels last (group and batch norm; instance
+    and layer norm return row-major)."""
+    if x._spec.is_contiguous() or (keeps_channels_last and x._spec.is_channels_last()):
         return x._spec
     return ShardTensorSpec(x.device_mesh, x.placements, x.shape, x._spec.axis_sizes)
 
 
-def _finish(y: torch.Tensor, x: ShardTensor) -> ShardTensor:
+def _finish(y: torch.Tensor, x: ShardTensor, keeps_channels_last: bool = False) -> ShardTensor:
     """The output of a norm computed outside the norms' Functions (no sharded normalized dim; layer norm's affine)."""
-    return wrap_local_as(y, _output_spec(x))
+    return wrap_local_as(y, _output_spec(x, keeps_channels_last))
 
 
 def _local_buffer(buffer: torch.Tensor | None) -> torch.Tensor | None:
@@ -669,8 +719,8 @@ def _group_norm(
     local = local_input(x)
     spatial = tuple(range(2, x.ndim))
     if not groups_over(x, spatial):
-        return _finish(F.group_norm(local, num_groups, local_param(weight, x), local_param(bias, x), eps), x)
-    y, _, _ = _channel_norm(x, local, _StatLayout(num_groups, per_sample=True), weight, bias, spatial, eps)
+        return _finish(F.group_norm(local, num_groups, local_param(weight, x), local_param(bias, x), eps), x, True)
+    y, _, _ = _channel_norm(x, local, _StatLayout(num_groups, per_sample=True), weight, bias, spatial, eps, True)
     return y
 
 
@@ -694,9 +744,9 @@ def _batch_norm(
     rm, rv = _local_buffer(running_mean), _local_buffer(running_var)
     if not training or not groups_over(x, dims):
         w, b = local_param(weight, x), local_param(bias, x)
-        return _finish(F.batch_norm(local, rm, rv, w, b, training, momentum, eps), x)
+        return _finish(F.batch_norm(local, rm, rv, w, b, training, momentum, eps), x, True)
     layout = _StatLayout(x.shape[1], per_sample=False)
-    y, mean, var = _channel_norm(x, local, layout, weight, bias, dims, eps)
+    y, mean, var = _channel_norm(x, local, layout, weight, bias, dims, eps, True)
     _update_running(rm, rv, mean, var, count, momentum)
     return y
 
@@ -735,7 +785,7 @@ def _instance_norm(
             return _finish(F.batch_norm(local, rm, rv, w, b, False, momentum, eps), x)
         return _finish(F.instance_norm(local, rm, rv, w, b, True, momentum, eps), x)
     layout = _StatLayout(x.shape[1], per_sample=True)
-    y, mean, var = _channel_norm(x, local, layout, weight, bias, dims, eps)
+    y, mean, var = _channel_norm(x, local, layout, weight, bias, dims, eps, False)
     if tracks_running:
         _update_running(rm, rv, _batch_average(mean, x), _batch_average(var, x), count, momentum)
     return y
@@ -776,7 +826,7 @@ def _layer_norm(
         return _finish(F.layer_norm(local, normalized_shape, w, b, eps), x)
     w, b = _slab_of_param(w, x, first), _slab_of_param(b, x, first)
     if (w is None and b is None) or (w is not None and fused_cpu.usable(local)):  # one node, the affine in its passes
-        return _NormalizeGlobally.apply(local, dims, groups, eps, _Output(_output_spec(x), local.dtype), w, b)
+        return _NormalizeGlobally.apply(local, dims, groups, eps, _Output(_output_spec(x, False), local.dtype), w, b)
     xhat = _NormalizeGlobally.apply(local, dims, groups, eps)
     if w is not None and b is not None:  # one pass: 2.4x faster than a mul then an add on a 4 MiB slab
         y = torch.addcmul(b, xhat, w)

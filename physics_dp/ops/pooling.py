@@ -43,6 +43,7 @@ from ..distributed.tracing import graph_constant, outside_trace
 from ..shard_tensor import ShardTensor
 from ._args import bind, per_dim, single_device_shape
 from ._local import local_input, sharded_axes, wrap_local
+from .memory_format import output_order
 from .conv import check_stencil_layout, window_inside, window_outside, conv_output_split, conv_windows
 from .halo import Window, gather_window
 from .indexing import offsets
@@ -421,14 +422,14 @@ def _pool(func: Any, bound: dict[str, Any]) -> Any:
             shape = [1] * y.ndim
             shape[dim] = spread.rescale.numel()
             y = y * graph_constant(spread.rescale, y.device).to(y.dtype).view(shape)
-    axis_sizes = output_axis_sizes(x, splits)
-    result = wrap_local(y, x, out_shape, axis_sizes)
+    axis_sizes, order = output_axis_sizes(x, splits), output_order(x)
+    result = wrap_local(y, x, out_shape, axis_sizes, order)
     if not with_indices:
         return result
     local_extents = [local.shape[split.dim] for split in splits]
     sources = {dim: spread.sources for dim, spread in spreads.items()}
     index = _global_indices(drop_filler(out[1], splits), splits, local_extents, sources)
-    return result, wrap_local(index, x, out_shape, axis_sizes)
+    return result, wrap_local(index, x, out_shape, axis_sizes, order)
 
 
 # ----- handler --------------------------------------------------------------------------------
@@ -438,7 +439,7 @@ def _local_run(func: Any, bound: dict[str, Any], nd: int) -> Any:
     out = run_planewise(lambda t: func(*dict(bound, input=t).values()), local_input(x), nd)
 
     def wrap(t: torch.Tensor) -> ShardTensor:
-        return wrap_local(t, x, x.shape[:-nd] + t.shape[-nd:], x._spec.axis_sizes)
+        return wrap_local(t, x, x.shape[:-nd] + t.shape[-nd:], x._spec.axis_sizes, output_order(x))
 
     return tuple(wrap(t) for t in out) if isinstance(out, tuple) else wrap(out)
 

@@ -20,7 +20,7 @@ from ..distributed.tracing import is_tracing
 from .placements import Partial, Placement, Replicate, Shard, StridedShard, normalize_placements
 from .redistribute import contiguous_layout, without_partials, redistribute_local
 from .shard_tensor import ShardTensor
-from .spec import ShardTensorSpec, chunk_sizes
+from .spec import ShardTensorSpec, channels_last_order, chunk_sizes, in_spec_order, laid_out_as
 
 __all__ = [
     "spec_from_local",
@@ -175,7 +175,7 @@ def slab_gradient(grad: torch.Tensor, spec: ShardTensorSpec) -> torch.Tensor:
 
 
 def function_output(local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
-    """``local``, the slab of a contiguous ``spec``, as the ShardTensor a custom autograd Function returns.
+    """``local``, the slab of ``spec`` laid out as it says, as the ShardTensor a custom autograd Function returns.
 
     An op handler whose work is one Function wraps its result inside that Function: the Function's
     node is then the output's ``grad_fn``.  Wrapping after it (:func:`from_local_with_spec`) adds a
@@ -183,8 +183,8 @@ def function_output(local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
     caches cold after the op's kernels.  The Function's backward takes its slab's gradient with
     :func:`slab_gradient`.
     """
-    if spec.local_shape() != local.shape or not local.is_contiguous():
-        raise RuntimeError(f"local result of shape {tuple(local.shape)} is not a contiguous slab of {spec}: a bug in the op handler")
+    if spec.local_shape() != local.shape or not laid_out_as(local, spec):
+        raise RuntimeError(f"local result of shape {tuple(local.shape)} is not laid out as a slab of {spec}: a bug in the op handler")
     return ShardTensor(local, spec)
 
 
@@ -197,8 +197,11 @@ def _global_value_grad(local_grad: torch.Tensor, spec: ShardTensorSpec) -> Shard
     """
     averaged = _avg_axes_size(spec)
     local = local_grad if averaged == 1 else local_grad * averaged
+    # row-major, as kernels return gradients, except for channels last, whose kernels keep it
+    layout = without_partials(spec)
+    layout = layout if layout.is_channels_last() else layout.replace()
     # differentiable (from_local), so a double backward (create_graph=True) sees this step
-    return from_local_with_spec(local, without_partials(spec).replace())
+    return from_local_with_spec(local, layout)
 
 
 class _FromLocal(torch.autograd.Function):
@@ -215,7 +218,9 @@ class _FromLocal(torch.autograd.Function):
 
 
 def from_local_with_spec(local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
-    return from_local_exact(local.contiguous(), spec)  # the spec describes a contiguous global layout
+    """Wrap ``local`` under ``spec``, a dense layout (row-major or permuted, as channels last), laid
+    out as the spec says first (no copy where it already is)."""
+    return from_local_exact(in_spec_order(local, spec), spec)
 
 
 def from_local_exact(local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
@@ -229,7 +234,9 @@ class _ToLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: ShardTensor) -> torch.Tensor:  # type: ignore[override]
         ctx.spec = tensor._spec
-        return tensor._local_tensor.view_as(tensor._local_tensor)
+        # an alias keeps every stride (view_as recomputes those of size-1 dims: a channels-last slab of one
+        # sample then read as row-major to torch's layout checks, and its pooling ran row-major)
+        return torch.ops.aten.alias(tensor._local_tensor)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
@@ -383,6 +390,7 @@ def distribute_tensor(
 ) -> ShardTensor:
     """Split a tensor that every rank already holds; each keeps its slab, nothing is sent.
 
+    A channels-last tensor gives channels-last slabs (row-major otherwise, whatever its strides).
     Differentiable: the plain tensor's gradient is the gathered global gradient.
     """
     placements = normalize_placements(placements, tensor.ndim, mesh.ndim)
@@ -391,7 +399,8 @@ def distribute_tensor(
         for axis in range(mesh.ndim)
     ]
     spec = ShardTensorSpec(mesh, placements, tensor.shape, axis_sizes)
-    return redistribute_to_spec(replicate_plain(tensor, mesh), spec)
+    order = channels_last_order(tensor)
+    return redistribute_to_spec(replicate_plain(tensor, mesh), spec if order is None else spec.in_order(order))
 
 
 class _KeepGradLayout(torch.autograd.Function):

@@ -24,7 +24,7 @@ from .placements import Partial, Replicate, Shard
 from .redistribute import redistribute_local, without_partials
 from .shard_tensor import ShardTensor
 from .slab_shapes import SlabShapes
-from .spec import ShardTensorSpec, balanced_sizes, chunk_sizes, in_memory_order, memory_order
+from .spec import ShardTensorSpec, balanced_sizes, chunk_sizes, dense_order, in_memory_order
 
 __all__ = ["propagate_and_run", "ShardingRuleError"]
 
@@ -347,20 +347,8 @@ def _in_memory_order_of(local: torch.Tensor, spec: ShardTensorSpec) -> torch.Ten
     """
     if spec.is_contiguous() or not local.numel():
         return local
-    order = _dense_order(spec.shape, spec.stride)
+    order = dense_order(spec.shape, spec.stride)
     return local if order is None else in_memory_order(local, order)  # (overlapping layouts: no order to keep)
-
-
-def _dense_order(shape: torch.Size, stride: tuple[int, ...]) -> list[int] | None:
-    """The dims from outermost to innermost where ``stride`` is a permutation of a dense row-major
-    layout of ``shape`` (a transpose, a permute), else None."""
-    order = memory_order(stride)
-    expected = 1
-    for dim in reversed(order):
-        if shape[dim] != 1 and stride[dim] != expected:
-            return None
-        expected *= shape[dim]
-    return order
 
 
 def _dtensor_spec(tensor: ShardTensor) -> Any:

@@ -15,7 +15,7 @@ import torch
 
 from ..distributed import collectives
 from .placements import Partial, Placement, Replicate, Shard, StridedShard, partial_op
-from .spec import ShardTensorSpec
+from .spec import ShardTensorSpec, in_spec_order
 
 __all__ = ["redistribute_local", "without_partials", "contiguous_layout"]
 
@@ -189,7 +189,7 @@ def redistribute_local(local: torch.Tensor, src: ShardTensorSpec, dst: ShardTens
     if not pending:
         # nothing moves: keep the very slab (in-place ops then write through) unless only the
         # layout differs
-        return local if dst.stride == src.stride else local.contiguous()
+        return local if dst.stride == src.stride else in_spec_order(local, dst)
     while pending:
         ready = [
             axis
@@ -205,7 +205,7 @@ def redistribute_local(local: torch.Tensor, src: ShardTensorSpec, dst: ShardTens
             axis = next(a for a in pending if type(state.placements[a]) is Shard)
             local = _step(local, state, axis, Replicate(), None, src)
     # a broadcast slab (the gradient of a sum or mean) stays a view: its copy would write the whole slab
-    return local if _broadcast(local) and dst.is_contiguous() else local.contiguous()
+    return local if _broadcast(local) and dst.is_contiguous() else in_spec_order(local, dst)
 
 
 def without_partials(spec: ShardTensorSpec) -> ShardTensorSpec:

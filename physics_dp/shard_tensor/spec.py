@@ -16,7 +16,20 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .placements import Placement, Replicate, Shard, StridedShard, normalize_placements
 
-__all__ = ["ShardTensorSpec", "balanced_sizes", "chunk_sizes", "contiguous_strides", "memory_order", "in_memory_order"]
+__all__ = [
+    "ShardTensorSpec",
+    "balanced_sizes",
+    "chunk_sizes",
+    "contiguous_strides",
+    "memory_order",
+    "in_memory_order",
+    "dense_order",
+    "strides_in_order",
+    "in_spec_order",
+    "laid_out_as",
+    "CHANNELS_LAST_ORDERS",
+    "channels_last_order",
+]
 
 _Derived = TypeVar("_Derived")
 _DERIVED_LIMIT = 64  # values a spec keeps (see ShardTensorSpec.derived)
@@ -43,6 +56,64 @@ def in_memory_order(local: torch.Tensor, order: Sequence[int]) -> torch.Tensor:
     """``local`` with its dims laid out in memory from outermost to innermost as ``order``: a slab
     that keeps its global tensor's memory order (a copy only where it is not already so)."""
     return local.permute(order).contiguous().permute(sorted(range(len(order)), key=order.__getitem__))
+
+
+# channels last (torch.channels_last, channels_last_3d): the channel dim innermost, by tensor rank
+CHANNELS_LAST_ORDERS = {4: (0, 2, 3, 1), 5: (0, 2, 3, 4, 1)}
+_CHANNELS_LAST_FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
+def channels_last_order(tensor: torch.Tensor) -> tuple[int, ...] | None:
+    """The memory order of a channels-last tensor, else None: torch's ``suggest_memory_format``,
+    for which a tensor that is also row-major (one channel, one pixel) is row-major."""
+    memory_format = _CHANNELS_LAST_FORMATS.get(tensor.ndim)
+    if memory_format is None or not tensor.is_contiguous(memory_format=memory_format) or tensor.is_contiguous():
+        return None
+    return CHANNELS_LAST_ORDERS[tensor.ndim]
+
+
+def dense_order(shape: Sequence[int], stride: Sequence[int]) -> list[int] | None:
+    """The dims from outermost to innermost where ``stride`` is a permutation of a dense row-major
+    layout of ``shape`` (a transpose, a permute, channels last), else None (an overlapping or
+    gapped layout)."""
+    order = memory_order(stride)
+    expected = 1
+    for dim in reversed(order):
+        if shape[dim] != 1 and stride[dim] != expected:
+            return None
+        expected *= shape[dim]
+    return order
+
+
+def strides_in_order(shape: Sequence[int], order: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a dense layout of ``shape`` whose dims lie in memory from outermost to
+    innermost as ``order`` (row-major for ``range(len(shape))``)."""
+    strides = [0] * len(shape)
+    running = 1
+    for dim in reversed(order):
+        strides[dim] = running
+        running *= max(shape[dim], 1)
+    return tuple(strides)
+
+
+def in_spec_order(local: torch.Tensor, spec: ShardTensorSpec) -> torch.Tensor:
+    """``local`` laid out in memory as ``spec``'s global strides say: row-major for a contiguous
+    spec, the same permutation of dims for a dense permuted one (channels last), a copy only where
+    it is not already so.  Why: a spec's strides must describe its slab on every rank, and a
+    kernel's output layout may depend on a slab's own extents (0 or 1 rows)."""
+    if spec.is_contiguous():
+        return local.contiguous()
+    order = dense_order(spec.shape, spec.stride)
+    return local.contiguous() if order is None else in_memory_order(local, order)
+
+
+def laid_out_as(local: torch.Tensor, spec: ShardTensorSpec) -> bool:
+    """Whether ``local`` already lies in memory as ``spec``'s dense layout says (what
+    :func:`in_spec_order` would not copy)."""
+    if spec.is_contiguous():
+        return local.is_contiguous()
+    order = dense_order(spec.shape, spec.stride)
+    return order is not None and local.permute(order).is_contiguous()
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -210,6 +281,23 @@ class ShardTensorSpec:
                 self._derived.clear()
             value = self._derived[key] = build()
         return value
+
+    def is_channels_last(self) -> bool:
+        """Whether the layout is channels last and not also row-major (torch's
+        ``suggest_memory_format``: a tensor that is both, with one channel, counts as contiguous)."""
+        order = CHANNELS_LAST_ORDERS.get(self.ndim)
+        return order is not None and not self.is_contiguous() and self.stride == strides_in_order(self.shape, order)
+
+    def in_order(self, order: Sequence[int]) -> ShardTensorSpec:
+        """This spec laid out densely with its dims in memory from outermost to innermost as
+        ``order`` (built once per spec and order)."""
+        order = tuple(order)
+        if list(order) == list(range(self.ndim)):
+            return self.replace()
+        return self.derived(
+            ("order", order),
+            lambda: ShardTensorSpec(self.mesh, self.placements, self.shape, self.axis_sizes, strides_in_order(self.shape, order)),
+        )
 
     def local_shape(self, coordinate: Sequence[int] | None = None) -> torch.Size:
         """The local slab's shape at ``coordinate`` (this rank's by default)."""

@@ -233,6 +233,57 @@ def test_weighted_grad_sums_and_the_affine_gradients_in_one_pass(dtype: torch.dt
     torch.testing.assert_close(grads.double(), expected_grads, atol=1e-4 if dtype == torch.float32 else 1e-11, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("length", [1, 7, 2048, 5000])
+@pytest.mark.parametrize("groups, per_sample", [(2, True), (6, True), (6, False)])
+def test_channels_last_moments_match_float64(dtype: torch.dtype, length: int, groups: int, per_sample: bool) -> None:
+    """The statistics of the (N, L, C) view of a channels-last slab: those of its (N, C, L) rows,
+    also far from zero (each channel summed about its own first value)."""
+    x3 = torch.randn(3, 6, length, generator=torch.Generator().manual_seed(length), dtype=dtype) * 3 + 1e3
+    tokens = x3.transpose(1, 2).contiguous()
+    packed = fused_cpu.channels_last_moments(tokens, groups, per_sample)
+    stats = packed.numel() // 2
+    expected_mean, expected_var = _reference(x3, groups, per_sample)
+    assert packed[0].item() == (6 // groups * length if per_sample else 3 * length)
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(packed[1 : 1 + stats], expected_mean, atol=0, rtol=tolerance)
+    torch.testing.assert_close(packed[1 + stats :], expected_var, atol=0, rtol=40 * tolerance)
+    with pytest.raises(RuntimeError, match="groups"):
+        fused_cpu.channels_last_moments(tokens, 4, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_channels_last_affines(dtype: torch.dtype) -> None:
+    """a * x + c and a * u + b * v + c with one coefficient per (sample, channel), channels innermost."""
+    generator = torch.Generator().manual_seed(0)
+    u, v = (torch.randn(2, 301, 5, generator=generator, dtype=dtype) for _ in range(2))
+    a, b, c = (torch.randn(2 * 5, generator=generator, dtype=dtype) for _ in range(3))
+    per = [k.double().view(2, 1, 5) for k in (a, b, c)]
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(fused_cpu.channels_last_affine(u, a, c).double(), per[0] * u.double() + per[2], atol=tolerance, rtol=0)
+    expected = per[0] * u.double() + per[1] * v.double() + per[2]
+    torch.testing.assert_close(fused_cpu.channels_last_two_term_affine(u, v, a, b, c).double(), expected, atol=tolerance, rtol=0)
+    with pytest.raises(RuntimeError, match="coefficients"):
+        fused_cpu.channels_last_affine(u, a[:5], c)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("per_sample", [True, False])
+def test_channels_last_grad_sums(dtype: torch.dtype, per_sample: bool) -> None:
+    generator = torch.Generator().manual_seed(1)
+    g, x = (torch.randn(3, 4099, 5, generator=generator, dtype=dtype) for _ in range(2))
+    x = x + 100
+    mean = (x.mean(1) if per_sample else x.mean((0, 1))).reshape(-1).contiguous()
+    sums = fused_cpu.channels_last_grad_sums(g, x, mean, per_sample)
+    gd, centered = g.double(), x.double() - mean.double().view(3 if per_sample else 1, 1, 5)
+    expected = torch.stack((gd.sum(1), (gd * centered).sum(1)))
+    expected = expected.reshape(2, -1) if per_sample else expected.sum(1)
+    assert sums.dtype == torch.float64 and sums.shape == (2, 15 if per_sample else 5)
+    torch.testing.assert_close(sums, expected, atol=1e-3 if dtype == torch.float32 else 1e-9, rtol=1e-5 if dtype == torch.float32 else 1e-12)
+    with pytest.raises(RuntimeError, match="mean"):
+        fused_cpu.channels_last_grad_sums(g, x, mean[:4], per_sample)
+
+
 def test_usable_only_where_the_kernels_apply() -> None:
     x = torch.randn(4, 6)
     assert fused_cpu.usable(x, x)

@@ -54,6 +54,17 @@ def _conv_block() -> nn.Module:
     return nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.SiLU(), nn.Conv2d(8, 4, 3, padding=1))
 
 
+class _ChannelsLast(nn.Module):
+    """A block run channels last: its weights, and its input made so inside the graph."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block.to(memory_format=torch.channels_last)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x.contiguous(memory_format=torch.channels_last))
+
+
 def _zero_where_large(x: torch.Tensor) -> torch.Tensor:
     y = x * 2
     y[y > 0.5] = 0.0
@@ -76,6 +87,7 @@ BLOCKS: dict[str, Callable[[], nn.Module]] = {
         nn.Conv2d(4, 4, 3, stride=2, padding=1), nn.Conv2d(4, 4, 3, padding=1, padding_mode="circular")
     ),
     "conv_transpose": lambda: nn.Sequential(nn.ConvTranspose2d(4, 4, 2, stride=2), nn.ConvTranspose2d(4, 4, 4, stride=2, padding=1)),
+    "conv_groupnorm_silu_conv_channels_last": lambda: _ChannelsLast(_conv_block()),
     "batch_norm": lambda: nn.BatchNorm2d(4),
     "layer_norm_over_chw": lambda: nn.LayerNorm([4, 12, 8]),
     "layer_norm_over_chw_without_affine": lambda: nn.LayerNorm([4, 12, 8], elementwise_affine=False),

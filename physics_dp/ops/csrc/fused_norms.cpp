@@ -26,6 +26,17 @@ struct Moments {
   double count = 0, mean = 0, m2 = 0;
 };
 
+// Chan's merge into m of a block of `count` values whose deviations from the shift sum to `sum`,
+// their squares to `squares`.
+void add_block(Moments& m, double count, double sum, double squares) {
+  const double block_mean = sum / count;
+  const double block_m2 = std::max(0.0, squares - sum * block_mean);
+  const double total = m.count + count, delta = block_mean - m.mean;
+  m.mean += delta * count / total;
+  m.m2 += block_m2 + delta * delta * m.count * count / total;
+  m.count = total;
+}
+
 template <typename T>
 void add_run(const T* run, int64_t length, T shift, Moments& m) {
   for (int64_t start = 0; start < length; start += kBlock) {
@@ -37,12 +48,7 @@ void add_run(const T* run, int64_t length, T shift, Moments& m) {
       sum += d;
       squares += d * d;
     }
-    const double n = double(end - start), block_mean = double(sum) / n;
-    const double block_m2 = std::max(0.0, double(squares) - double(sum) * block_mean);
-    const double total = m.count + n, delta = block_mean - m.mean;
-    m.mean += delta * n / total;
-    m.m2 += block_m2 + delta * delta * m.count * n / total;
-    m.count = total;
+    add_block(m, double(end - start), double(sum), double(squares));
   }
 }
 
@@ -203,6 +209,196 @@ void weighted_grad_sums_kernel(const T* dy, const T* x, const T* w, const T* mea
   }
 }
 
+// ----- channels last: a contiguous (samples, length, channels) slab, one coefficient per (sample, channel) -----
+// A row holds only `channels` values (often 32-128): the passes run over chunks of whole rows of
+// at least kChunk values instead, against the per-channel values repeated once per row of a chunk,
+// so that the inner loops are as long as the row-major kernels' and the coefficients load from L1.
+constexpr int64_t kChunk = 512;
+
+int64_t rows_per_chunk(int64_t channels) { return std::max<int64_t>(1, kChunk / std::max<int64_t>(channels, 1)); }
+
+template <typename T>
+std::vector<T> repeated(const T* per_channel, int64_t channels, int64_t rows) {
+  std::vector<T> out(rows * channels);
+  for (int64_t r = 0; r < rows; ++r) std::copy(per_channel, per_channel + channels, out.begin() + r * channels);
+  return out;
+}
+
+// Goes over the rows [0, length) in blocks of about kBlock rows: within a block, four(first_row) for
+// each run of four whole chunks of chunk_rows rows (four chunks added to the accumulators in one
+// pass: a quarter of their loads and stores), then chunk(first_row, rows) for each chunk left;
+// block(start, end) after each block (the accumulators folded there).
+template <typename Four, typename Chunk, typename Block>
+void over_row_blocks(int64_t length, int64_t chunk_rows, Four four, Chunk chunk, Block block) {
+  const int64_t block_rows = std::max(chunk_rows, kBlock / chunk_rows * chunk_rows);
+  for (int64_t start = 0; start < length; start += block_rows) {
+    const int64_t end = std::min(length, start + block_rows);
+    int64_t l = start;
+    for (; l + 4 * chunk_rows <= end; l += 4 * chunk_rows) four(l);
+    for (; l < end; l += chunk_rows) chunk(l, std::min(chunk_rows, end - l));
+    block(start, end);
+  }
+}
+
+// The statistics of a channels-last slab, packed as norm_moments_kernel's are: per (sample, group) over
+// the rows and the group's channels, or per channel over every sample.  Each channel is summed in
+// blocks of about kBlock rows in x's dtype about its first value, the blocks merged per channel in
+// float64 (Chan), then a statistic's channels.
+template <typename T>
+void channels_last_moments_kernel(const T* x, int64_t samples, int64_t length, int64_t channels, int64_t groups,
+                                  bool per_sample, double* packed) {
+  const int64_t per_group = channels / groups, stats = per_sample ? samples * groups : channels;
+  const int64_t chunk_rows = rows_per_chunk(channels), width = chunk_rows * channels;
+  double* means = packed + 1;
+  double* variances = packed + 1 + stats;
+  std::vector<Moments> moments(channels);
+  std::vector<T> shift = repeated(x, channels, chunk_rows), sum(width, T(0)), squares(width, T(0));
+  T* s = sum.data();
+  T* q = squares.data();
+  for (int64_t n = 0; n < samples; ++n) {
+    const T* xs = x + n * length * channels;
+    if (per_sample && n > 0) {
+      std::fill(moments.begin(), moments.end(), Moments());
+      shift = repeated(xs, channels, chunk_rows);
+    }
+    const T* h = shift.data();
+    auto four = [&](int64_t first) {
+      const T* v0 = xs + first * channels;
+      const T* v1 = v0 + width;
+      const T* v2 = v1 + width;
+      const T* v3 = v2 + width;
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) {
+        const T d0 = v0[j] - h[j], d1 = v1[j] - h[j], d2 = v2[j] - h[j], d3 = v3[j] - h[j];
+        s[j] += (d0 + d1) + (d2 + d3);
+        q[j] += (d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3);
+      }
+    };
+    auto chunk = [&](int64_t first, int64_t rows) {
+      const T* values = xs + first * channels;
+      const int64_t count = rows * channels;
+#pragma omp simd
+      for (int64_t j = 0; j < count; ++j) {
+        const T d = values[j] - h[j];
+        s[j] += d;
+        q[j] += d * d;
+      }
+    };
+    auto block = [&](int64_t start, int64_t end) {  // each channel's block sums merged into its moments
+      for (int64_t c = 0; c < channels; ++c) {
+        T channel_sum = 0, channel_squares = 0;
+        for (int64_t r = 0; r < chunk_rows; ++r) {
+          channel_sum += s[r * channels + c];
+          channel_squares += q[r * channels + c];
+        }
+        add_block(moments[c], double(end - start), double(channel_sum), double(channel_squares));
+      }
+      std::fill(sum.begin(), sum.end(), T(0));
+      std::fill(squares.begin(), squares.end(), T(0));
+    };
+    over_row_blocks(length, chunk_rows, four, chunk, block);
+    if (!per_sample) continue;
+    for (int64_t g = 0; g < groups; ++g) {  // the group's channels, equal counts: their mean, and m2 about it
+      double mean = 0, m2 = 0;
+      for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) mean += moments[c].mean + double(shift[c]);
+      mean /= double(per_group);
+      for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
+        const double deviation = moments[c].mean + double(shift[c]) - mean;
+        m2 += moments[c].m2 + moments[c].count * deviation * deviation;
+      }
+      means[n * groups + g] = mean;
+      variances[n * groups + g] = m2 / (double(per_group) * double(length));
+    }
+  }
+  if (!per_sample) {
+    for (int64_t c = 0; c < channels; ++c) {
+      means[c] = moments[c].mean + double(shift[c]);
+      variances[c] = moments[c].m2 / moments[c].count;
+    }
+  }
+  packed[0] = double(per_sample ? per_group * length : samples * length);
+}
+
+// out = a * u + b * v + c (b, v may be null: a * u + c) with (a, b, c) per (sample, channel) of the
+// channels-last (samples, length, channels) u and v.
+template <typename T>
+void channels_last_affine_kernel(const T* u, const T* v, const T* a, const T* b, const T* c, int64_t samples,
+                                 int64_t length, int64_t channels, T* out) {
+  const int64_t chunk_rows = rows_per_chunk(channels);
+  for (int64_t n = 0; n < samples; ++n) {
+    const std::vector<T> ar = repeated(a + n * channels, channels, chunk_rows);
+    const std::vector<T> cr = repeated(c + n * channels, channels, chunk_rows);
+    const std::vector<T> br = v ? repeated(b + n * channels, channels, chunk_rows) : std::vector<T>();
+    const T* an = ar.data();
+    const T* bn = br.data();
+    const T* cn = cr.data();
+    for (int64_t l = 0; l < length; l += chunk_rows) {
+      const int64_t offset = (n * length + l) * channels, count = std::min(chunk_rows, length - l) * channels;
+      const T* uc = u + offset;
+      T* o = out + offset;
+      if (v) {
+        const T* vc = v + offset;
+#pragma omp simd
+        for (int64_t j = 0; j < count; ++j) o[j] = an[j] * uc[j] + bn[j] * vc[j] + cn[j];
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < count; ++j) o[j] = an[j] * uc[j] + cn[j];
+      }
+    }
+  }
+}
+
+// The sums of g and of g * (x - mean) over the rows of the channels-last (samples, length, channels) g
+// and x, per (sample, channel) with mean per (sample, channel), or per channel over every sample with
+// mean per channel; in float64, blocks of about kBlock rows summed in the inputs' dtype.
+template <typename T>
+void channels_last_grad_sums_kernel(const T* g, const T* x, const T* mean, int64_t samples, int64_t length,
+                                    int64_t channels, bool per_sample, double* sum_g, double* sum_g_centered) {
+  const int64_t stats = per_sample ? samples * channels : channels;
+  const int64_t chunk_rows = rows_per_chunk(channels), width = chunk_rows * channels;
+  std::fill(sum_g, sum_g + stats, 0.0);
+  std::fill(sum_g_centered, sum_g_centered + stats, 0.0);
+  std::vector<T> block_sums(width, T(0)), block_centered(width, T(0));
+  T* s = block_sums.data();
+  T* sc = block_centered.data();
+  for (int64_t n = 0; n < samples; ++n) {
+    const int64_t first = per_sample ? n * channels : 0;
+    const std::vector<T> mr = repeated(mean + first, channels, chunk_rows);
+    const T* m = mr.data();
+    auto four = [&](int64_t row) {
+      const T* g0 = g + (n * length + row) * channels;
+      const T* x0 = x + (n * length + row) * channels;
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) {
+        const T a = g0[j], b = g0[j + width], c = g0[j + 2 * width], d = g0[j + 3 * width];
+        s[j] += (a + b) + (c + d);
+        sc[j] += (a * (x0[j] - m[j]) + b * (x0[j + width] - m[j])) + (c * (x0[j + 2 * width] - m[j]) + d * (x0[j + 3 * width] - m[j]));
+      }
+    };
+    auto chunk = [&](int64_t row, int64_t rows) {
+      const T* gc = g + (n * length + row) * channels;
+      const T* xc = x + (n * length + row) * channels;
+      const int64_t count = rows * channels;
+#pragma omp simd
+      for (int64_t j = 0; j < count; ++j) {
+        s[j] += gc[j];
+        sc[j] += gc[j] * (xc[j] - m[j]);
+      }
+    };
+    auto block = [&](int64_t, int64_t) {  // the block's sums into float64, per channel
+      for (int64_t r = 0; r < chunk_rows; ++r) {
+        for (int64_t k = 0; k < channels; ++k) {
+          sum_g[first + k] += double(s[r * channels + k]);
+          sum_g_centered[first + k] += double(sc[r * channels + k]);
+        }
+      }
+      std::fill(block_sums.begin(), block_sums.end(), T(0));
+      std::fill(block_centered.begin(), block_centered.end(), T(0));
+    };
+    over_row_blocks(length, chunk_rows, four, chunk, block);
+  }
+}
+
 void check_float_or_double(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble,
               name, " must be float32 or float64, got ", t.scalar_type());
@@ -231,17 +427,29 @@ void check_groups(int64_t groups, int64_t channels) {
   TORCH_CHECK(groups > 0 && channels % groups == 0, "groups must divide the channels, got ", groups, " and ", channels);
 }
 
-at::Tensor norm_moments(const at::Tensor& x, int64_t groups, bool per_sample) {
+// The packed statistics of a (samples, channels, length) slab, or of the (samples, length, channels)
+// view of a channels-last one.
+at::Tensor moments_with(const at::Tensor& x, int64_t groups, bool per_sample, bool channels_last) {
   check_slab(x, "x");
-  check_groups(groups, x.size(1));
-  TORCH_CHECK(per_sample || groups == x.size(1), "statistics over the samples take one group per channel, got ", groups);
+  const int64_t channels = x.size(channels_last ? 2 : 1);
+  check_groups(groups, channels);
+  TORCH_CHECK(per_sample || groups == channels, "statistics over the samples take one group per channel, got ", groups);
   const int64_t stats = per_sample ? x.size(0) * groups : groups;
   auto packed = at::empty({1 + 2 * stats}, x.options().dtype(at::kDouble));
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "norm_moments", [&] {
-    norm_moments_kernel<scalar_t>(x.data_ptr<scalar_t>(), x.size(0), x.size(1), x.size(2), groups, per_sample,
-                                  packed.data_ptr<double>());
+    if (channels_last) {
+      channels_last_moments_kernel<scalar_t>(x.data_ptr<scalar_t>(), x.size(0), x.size(1), x.size(2), groups, per_sample,
+                                             packed.data_ptr<double>());
+    } else {
+      norm_moments_kernel<scalar_t>(x.data_ptr<scalar_t>(), x.size(0), x.size(1), x.size(2), groups, per_sample,
+                                    packed.data_ptr<double>());
+    }
   });
   return packed;
+}
+
+at::Tensor norm_moments(const at::Tensor& x, int64_t groups, bool per_sample) {
+  return moments_with(x, groups, per_sample, false);
 }
 
 at::Tensor merge_moments(const at::Tensor& gathered) {
@@ -461,6 +669,63 @@ std::tuple<at::Tensor, at::Tensor> weighted_grad_sums(const at::Tensor& dy, cons
   return {sums, grads};
 }
 
+void check_channel_coefficients(const at::Tensor& u, std::initializer_list<const at::Tensor*> coefficients) {
+  for (const at::Tensor* k : coefficients) {
+    TORCH_CHECK(k->dim() == 1 && k->size(0) == u.size(0) * u.size(2) && k->is_contiguous() &&
+                    k->scalar_type() == u.scalar_type(),
+                "the coefficients must be contiguous (samples * channels,) tensors of u's dtype");
+  }
+}
+
+at::Tensor channels_last_moments(const at::Tensor& x, int64_t groups, bool per_sample) {
+  return moments_with(x, groups, per_sample, true);
+}
+
+// a * u + c, or a * u + b * v + c where v is given.
+at::Tensor channels_last_affine_with(const at::Tensor& u, const at::Tensor* v, const at::Tensor& a, const at::Tensor* b,
+                                     const at::Tensor& c) {
+  check_slab(u, "u");
+  if (v) {
+    TORCH_CHECK(v->sizes() == u.sizes() && v->is_contiguous() && v->scalar_type() == u.scalar_type(),
+                "v must be contiguous and match u");
+  }
+  check_channel_coefficients(u, {&a, &c});
+  if (b) check_channel_coefficients(u, {b});
+  auto out = at::empty_like(u);
+  AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "channels_last_affine", [&] {
+    channels_last_affine_kernel<scalar_t>(u.data_ptr<scalar_t>(), v ? v->data_ptr<scalar_t>() : nullptr,
+                                          a.data_ptr<scalar_t>(), b ? b->data_ptr<scalar_t>() : nullptr,
+                                          c.data_ptr<scalar_t>(), u.size(0), u.size(1), u.size(2),
+                                          out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
+at::Tensor channels_last_affine(const at::Tensor& x, const at::Tensor& a, const at::Tensor& c) {
+  return channels_last_affine_with(x, nullptr, a, nullptr, c);
+}
+
+at::Tensor channels_last_two_term_affine(const at::Tensor& u, const at::Tensor& v, const at::Tensor& a,
+                                         const at::Tensor& b, const at::Tensor& c) {
+  return channels_last_affine_with(u, &v, a, &b, c);
+}
+
+at::Tensor channels_last_grad_sums(const at::Tensor& g, const at::Tensor& x, const at::Tensor& mean, bool per_sample) {
+  check_slab(x, "x");
+  TORCH_CHECK(g.sizes() == x.sizes() && g.is_contiguous() && g.scalar_type() == x.scalar_type(),
+              "g must be contiguous and match x's shape and dtype, got ", g.sizes(), " and ", x.sizes());
+  const int64_t stats = per_sample ? x.size(0) * x.size(2) : x.size(2);
+  TORCH_CHECK(mean.dim() == 1 && mean.size(0) == stats && mean.is_contiguous() && mean.scalar_type() == x.scalar_type(),
+              "mean must be a contiguous tensor of x's dtype with one value per statistic");
+  auto sums = at::empty({2, stats}, x.options().dtype(at::kDouble));
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "channels_last_grad_sums", [&] {
+    channels_last_grad_sums_kernel<scalar_t>(g.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), mean.data_ptr<scalar_t>(),
+                                             x.size(0), x.size(1), x.size(2), per_sample, sums.data_ptr<double>(),
+                                             sums.data_ptr<double>() + stats);
+  });
+  return sums;
+}
+
 }  // namespace
 
 // Registered with the dispatcher (torch.ops.physics_dp.*), so that profilers and dispatch modes see them.
@@ -475,6 +740,10 @@ TORCH_LIBRARY(physics_dp, m) {
   m.def("row_affine_elementwise(Tensor x, Tensor a, Tensor c, Tensor w, Tensor? b) -> Tensor");
   m.def("two_term_affine_elementwise(Tensor u, Tensor v, Tensor w, Tensor a, Tensor b, Tensor c) -> Tensor");
   m.def("weighted_grad_sums(Tensor dy, Tensor x, Tensor w, Tensor mean, Tensor rstd, bool param_grads) -> (Tensor, Tensor)");
+  m.def("channels_last_moments(Tensor x, int groups, bool per_sample) -> Tensor");
+  m.def("channels_last_affine(Tensor x, Tensor a, Tensor c) -> Tensor");
+  m.def("channels_last_two_term_affine(Tensor u, Tensor v, Tensor a, Tensor b, Tensor c) -> Tensor");
+  m.def("channels_last_grad_sums(Tensor g, Tensor x, Tensor mean, bool per_sample) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(physics_dp, CPU, m) {
@@ -488,4 +757,8 @@ TORCH_LIBRARY_IMPL(physics_dp, CPU, m) {
   m.impl("row_affine_elementwise", &row_affine_elementwise);
   m.impl("two_term_affine_elementwise", &two_term_affine_elementwise);
   m.impl("weighted_grad_sums", &weighted_grad_sums);
+  m.impl("channels_last_moments", &channels_last_moments);
+  m.impl("channels_last_affine", &channels_last_affine);
+  m.impl("channels_last_two_term_affine", &channels_last_two_term_affine);
+  m.impl("channels_last_grad_sums", &channels_last_grad_sums);
 }

@@ -1,0 +1,156 @@
+"""Channels-last tensors stay channels last through the sharded stencil ops and norms, as torch's own do.
+
+Each op runs on a channels-last input (and a channels-last module where it has a weight) on 1-4
+ranks and a 2 x 2 mesh, even, uneven and skewed splits (an empty shard among them): outputs, input
+and parameter gradients equal one device's, and the output's layout is the one torch gives.  A
+channels-last block (group norm, SiLU, 3x3 conv) copies no slab in its forward and backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from physics_dp.ops import fused_cpu
+from physics_dp.shard_tensor import Shard, ShardTensor, distribute_tensor
+from physics_dp.shard_tensor.spec import laid_out_as
+from physics_dp.testing import get_mesh, run_on_ranks
+from physics_dp.testing.compare import assert_sharded_matches
+
+from .test_normalization import SHAPES, randn, sharding, world_of
+from .test_shape_ops import run_combos
+
+CL = torch.channels_last
+
+
+def _module(factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return factory().to(memory_format=CL)
+
+    return build
+
+
+# name -> a fresh module (its weight channels last) or a function of one (N, 4, H, W) input
+CASES: dict[str, Callable[[], Callable]] = {
+    "conv 3x3": _module(lambda: nn.Conv2d(4, 5, 3, padding=1)),
+    "conv 3x3, row-major weight": lambda: (torch.manual_seed(0), nn.Conv2d(4, 5, 3, padding=1))[1],
+    "conv 3x3 stride 2": _module(lambda: nn.Conv2d(4, 5, 3, stride=2, padding=1)),
+    "conv 1x1": _module(lambda: nn.Conv2d(4, 5, 1)),
+    "conv 2x2 valid": _module(lambda: nn.Conv2d(4, 5, 2)),
+    "conv transpose 4x4 stride 2": _module(lambda: nn.ConvTranspose2d(4, 3, 4, stride=2, padding=1)),
+    "group norm": _module(lambda: nn.GroupNorm(2, 4)),
+    "instance norm (affine)": _module(lambda: nn.InstanceNorm2d(4, affine=True)),
+    "batch norm": _module(lambda: nn.BatchNorm2d(4)),
+    "layer norm over (C, H, W)": lambda: (lambda t: F.layer_norm(t, t.shape[1:])),
+    "avg pool 2": lambda: (lambda t: F.avg_pool2d(t, 2)),
+    "max pool 3, stride 1": lambda: (lambda t: F.max_pool2d(t, 3, 1, 1)),
+    "reflect pad": lambda: (lambda t: F.pad(t, (1, 1, 1, 1), mode="reflect")),
+    "circular pad": lambda: (lambda t: F.pad(t, (1, 1, 1, 1), mode="circular")),
+    "conv 3x3, reflect padding": _module(lambda: nn.Conv2d(4, 5, 3, padding=1, padding_mode="reflect")),
+    "nearest x2": lambda: (lambda t: F.interpolate(t, scale_factor=2, mode="nearest")),
+    "bilinear x2": lambda: (lambda t: F.interpolate(t, scale_factor=2, mode="bilinear")),
+    "norm, silu, conv": _module(lambda: nn.Sequential(nn.GroupNorm(2, 4), nn.SiLU(), nn.Conv2d(4, 4, 3, padding=1))),
+}
+
+
+def _layout_of(t: torch.Tensor) -> str:
+    return "channels last" if t.is_contiguous(memory_format=CL) and not t.is_contiguous() else "row-major"
+
+
+def _check(name: str, x: torch.Tensor, mesh, placements, sizes) -> Callable[[], None]:
+    def check() -> None:
+        fn = CASES[name]()
+        assert_sharded_matches(fn, [x], mesh, [placements], sharding_sizes=[sizes], atol=1e-4, rtol=1e-4)
+        expected = _layout_of(CASES[name]()(x))
+        sharded = fn(distribute_tensor(x, mesh, placements, sizes))
+        assert _layout_of(sharded) == expected, f"{name}: {_layout_of(sharded)}, torch gives {expected}"
+        assert laid_out_as(sharded.to_local(), sharded._spec), f"{name}: the slab is not laid out as its spec"
+
+    return check
+
+
+def _all_cases(layout: str) -> list[str]:
+    combos = {}
+    for split, shape in SHAPES.items():
+        mesh, placements, sizes = sharding(layout, split, shape)
+        x = randn(shape).contiguous(memory_format=CL)
+        for name in CASES:
+            combos[f"{name} on {layout} ({split})"] = _check(name, x, mesh, placements, sizes)
+    return run_combos(combos)
+
+
+@pytest.mark.parametrize("layout", ["1", "2", "3", "4", "2x2-HxW"])
+def test_channels_last_stays_channels_last_and_matches_one_device(layout):
+    assert all(run_on_ranks(world_of(layout), _all_cases, layout))
+
+
+def _weight_only(world: int) -> bool:
+    """A row-major input into a channels-last convolution comes out channels last, as with torch."""
+    mesh = get_mesh((world,))
+    x = randn((2, 4, 9, 6))
+    conv = CASES["conv 3x3"]()
+    assert_sharded_matches(conv, [x], mesh, [[Shard(2)]], atol=1e-4, rtol=1e-4)
+    assert _layout_of(conv(distribute_tensor(x, mesh, [Shard(2)]))) == _layout_of(conv(x)) == "channels last"
+    return True
+
+
+def test_a_channels_last_weight_makes_a_channels_last_output():
+    assert all(run_on_ranks(2, _weight_only, 2))
+
+
+def _three_d(world: int) -> bool:
+    mesh = get_mesh((world,))
+    x = randn((2, 4, 3, 7, 5)).contiguous(memory_format=torch.channels_last_3d)
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Conv3d(4, 4, 3, padding=1), nn.GroupNorm(2, 4)).to(memory_format=torch.channels_last_3d)
+    assert_sharded_matches(block, [x], mesh, [[Shard(3)]], atol=1e-4, rtol=1e-4)
+    out = block(distribute_tensor(x, mesh, [Shard(3)]))
+    assert out.is_contiguous(memory_format=torch.channels_last_3d) and not out.is_contiguous()
+    return True
+
+
+def test_channels_last_3d_convolution_and_norm():
+    assert all(run_on_ranks(2, _three_d, 2))
+
+
+class _SlabCopies(TorchDispatchMode):
+    """Copies of at least ``numel`` values (clone, copy_, _to_copy, contiguous) made under the mode."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel, self.copies = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.overloadpacket in (torch.ops.aten.clone, torch.ops.aten.copy_, torch.ops.aten._to_copy):
+            source = args[1] if func.overloadpacket is torch.ops.aten.copy_ else args[0]
+            if not isinstance(source, ShardTensor) and source.numel() >= self.numel:
+                self.copies.append(str(func))
+        return out
+
+
+def _block_copies(memory_format: torch.memory_format) -> list[str]:
+    mesh = get_mesh((2,))
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.GroupNorm(4, 16), nn.SiLU(), nn.Conv2d(16, 16, 3, padding=1)).to(memory_format=memory_format)
+    x = distribute_tensor(randn((1, 16, 32, 24)).contiguous(memory_format=memory_format), mesh, [Shard(2)])
+    x.requires_grad_(True)
+    grad = torch.ones_like(block(x))  # (warm: plans and kernels built before counting)
+    with _SlabCopies(x.to_local().numel()) as mode:
+        block(x).backward(grad)
+    return mode.copies
+
+
+def test_a_channels_last_block_copies_no_slab():
+    if not fused_cpu.build():
+        pytest.skip("the fused CPU kernels could not be built here")
+    for memory_format in (CL, torch.contiguous_format):
+        copies = run_on_ranks(2, _block_copies, memory_format)
+        assert copies == [[], []], (memory_format, copies)
