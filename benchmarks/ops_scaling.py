@@ -19,7 +19,7 @@ For each op (forward, then backward from a cotangent of ones, at one global size
   short of N where the ranks running side by side slow each other down (slab against slab alone:
   on the 2-core VM, memory-bound ops share the memory bandwidth), which no sharding code can change.
 
-    python benchmarks/ops_scaling.py [--ranks 2] [--repeats 25] [--ops conv,group_norm] [--json out.json]
+    python benchmarks/ops_scaling.py [--ranks 2] [--repeats 25] [--ops conv,group_norm] [--json out.json] [--channels-last]
 
 Every rank first keeps freed host memory, as the trainer does by default
 (``physics_dp.distributed.host_memory``): otherwise a freed 16 MiB result is unmapped and the
@@ -56,41 +56,47 @@ class Case:
     dim: int
     halo: tuple[int, int]
     kind: str  # "compute" (target 1.15x the slab) or "memory" (target 1.3x)
-    build: Callable[[torch.Generator, tuple[int, ...]], Callable]  # the op as a function of its input
+    build: Callable[[torch.Generator, tuple[int, ...], torch.memory_format], Callable]  # the op as a function of its input
+    # (N, C, H, W) with channels at dim 1: ``--channels-last`` lays it (and a conv's weight) out channels last
     # attention: a rank's queries attend to every key, so its floor is the slab's queries
     # against the whole sequence, not the slab against itself
     slab_attends_to_all: bool = False
+    has_channels: bool = True
+
+
+def _weight(gen: torch.Generator, shape: tuple[int, ...], memory_format: torch.memory_format, grad: bool) -> torch.Tensor:
+    return (torch.randn(shape, generator=gen) * 0.05).contiguous(memory_format=memory_format).requires_grad_(grad)
 
 
 def _conv(weight_grad: bool, stride: int = 1) -> Callable:
-    def build(gen: torch.Generator, shape: tuple[int, ...]):
-        weight = (torch.randn(shape[1], shape[1], 3, 3, generator=gen) * 0.05).requires_grad_(weight_grad)
+    def build(gen: torch.Generator, shape: tuple[int, ...], memory_format: torch.memory_format):
+        weight = _weight(gen, (shape[1], shape[1], 3, 3), memory_format, weight_grad)
         return lambda t: F.conv2d(t, weight, stride=stride, padding=1)
 
     return build
 
 
-def _conv_transpose(gen: torch.Generator, shape: tuple[int, ...]):
-    weight = (torch.randn(shape[1], shape[1], 4, 4, generator=gen) * 0.05).requires_grad_(True)
+def _conv_transpose(gen: torch.Generator, shape: tuple[int, ...], memory_format: torch.memory_format):
+    weight = _weight(gen, (shape[1], shape[1], 4, 4), memory_format, True)
     return lambda t: F.conv_transpose2d(t, weight, stride=2, padding=1)
 
 
-def _group_norm(gen: torch.Generator, shape: tuple[int, ...]):
+def _group_norm(gen: torch.Generator, shape: tuple[int, ...], memory_format: torch.memory_format):
     weight, bias = torch.ones(shape[1], requires_grad=True), torch.zeros(shape[1], requires_grad=True)
     return lambda t: F.group_norm(t, 8, weight, bias)
 
 
-def _batch_norm(gen: torch.Generator, shape: tuple[int, ...]):
+def _batch_norm(gen: torch.Generator, shape: tuple[int, ...], memory_format: torch.memory_format):
     weight, bias = torch.ones(shape[1], requires_grad=True), torch.zeros(shape[1], requires_grad=True)
     return lambda t: F.batch_norm(t, None, None, weight, bias, training=True)
 
 
-def _layer_norm(gen: torch.Generator, shape: tuple[int, ...]):
+def _layer_norm(gen: torch.Generator, shape: tuple[int, ...], memory_format: torch.memory_format):
     return lambda t: F.layer_norm(t, t.shape[1:])
 
 
 def _plain(fn: Callable) -> Callable:
-    return lambda gen, shape: fn
+    return lambda gen, shape, memory_format: fn
 
 
 def _attention(t: torch.Tensor) -> torch.Tensor:
@@ -117,7 +123,10 @@ CASES = [
     ),
     Case("pad circular 2", (1, 32, 256, 256), 2, (2, 2), "memory", _plain(lambda t: F.pad(t, (2, 2, 2, 2), mode="circular"))),
     Case("fft2, then abs", (4, 16, 256, 256), 2, (0, 0), "memory", _plain(lambda t: torch.fft.fft2(t).abs())),
-    Case("attention (1,4,4096,32) ring", (1, 4, 4096, 32), 2, (0, 0), "compute", _plain(_attention), slab_attends_to_all=True),
+    Case(
+        "attention (1,4,4096,32) ring", (1, 4, 4096, 32), 2, (0, 0), "compute", _plain(_attention), slab_attends_to_all=True,
+        has_channels=False,
+    ),
     Case("mean of squares over H,W", (4, 32, 256, 256), 2, (0, 0), "memory", _plain(lambda t: t.square().mean((2, 3)))),
     Case(
         "pointwise chain silu(2x+1)*x", (4, 32, 256, 256), 2, (0, 0), "memory",
@@ -138,7 +147,7 @@ def _backward(out: torch.Tensor) -> None:
 def _slab_with_halo(x: torch.Tensor, case: Case, sizes: list[int], rank: int) -> torch.Tensor:
     start = sum(sizes[:rank])
     lo, hi = max(0, start - case.halo[0]), min(x.shape[case.dim], start + sizes[rank] + case.halo[1])
-    return x.narrow(case.dim, lo, hi - lo).contiguous()
+    return x.narrow(case.dim, lo, hi - lo).contiguous(memory_format=_layout(x))
 
 
 def _alone_on_rank_0(step: Callable[[], None], threads: int, rank: int) -> float:
@@ -158,7 +167,11 @@ def _alone_on_rank_0(step: Callable[[], None], threads: int, rank: int) -> float
     return elapsed
 
 
-def _rank_body(names: list[str], repeats: int) -> dict[str, dict]:
+def _layout(x: torch.Tensor) -> torch.memory_format:
+    return torch.channels_last if x.ndim == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous() else torch.contiguous_format
+
+
+def _rank_body(names: list[str], repeats: int, channels_last: bool) -> dict[str, dict]:
     """This rank's medians, bytes and collectives for each named case, sharded and on its slab."""
     from physics_dp.distributed import DistributedManager
     from physics_dp.distributed.collectives import barrier, count_communication
@@ -172,8 +185,9 @@ def _rank_body(names: list[str], repeats: int) -> dict[str, dict]:
     results = {}
     for case in (c for c in CASES if c.name in names):
         gen = torch.Generator().manual_seed(0)
-        full = torch.randn(case.shape, generator=gen)
-        fn = case.build(gen, case.shape)
+        memory_format = torch.channels_last if channels_last and case.has_channels else torch.contiguous_format
+        full = torch.randn(case.shape, generator=gen).contiguous(memory_format=memory_format)
+        fn = case.build(gen, case.shape, memory_format)
         sharded = distribute_tensor(full, mesh, [Shard(case.dim)]).detach().requires_grad_(True)
         slab = _slab_with_halo(full, case, list(balanced_sizes(case.shape[case.dim], world)), rank).requires_grad_(True)
 
@@ -212,10 +226,10 @@ def _rank_body(names: list[str], repeats: int) -> dict[str, dict]:
     return results
 
 
-def _measured(cases: list[Case], world: int, repeats: int) -> dict[str, dict]:
+def _measured(cases: list[Case], world: int, repeats: int, channels_last: bool) -> dict[str, dict]:
     """Each case's numbers on the slowest rank (the largest of each value over the ranks; the
     single-process times come from rank 0, the others report 0)."""
-    per_rank = run_ranks(world, _rank_body, [c.name for c in cases], repeats)
+    per_rank = run_ranks(world, _rank_body, [c.name for c in cases], repeats, channels_last)
     return {case.name: {key: max(r[case.name][key] for r in per_rank) for key in per_rank[0][case.name]} for case in cases}
 
 
@@ -225,10 +239,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=25, help="timed steps per case (median; default 25)")
     parser.add_argument("--ops", default="", help="comma-separated substrings of op names to run (default: all)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--channels-last", action="store_true", help="inputs (and conv weights) channels last, but attention's")
     args = parser.parse_args()
     wanted = [w.strip() for w in args.ops.split(",") if w.strip()]
     cases = [c for c in CASES if not wanted or any(w in c.name for w in wanted)]
-    measured = _measured(cases, args.ranks, args.repeats)
+    measured = _measured(cases, args.ranks, args.repeats, args.channels_last)
     n = args.ranks
     header = (
         f"| op (fwd+bwd), global shape | {n} ranks sharded | slab + halo | sharded/slab | target | slab alone | "

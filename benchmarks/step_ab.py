@@ -29,8 +29,12 @@ the sharded model runs under ``parallelize(model, mesh, "none")`` on a ("data", 
 weights and data, so their first losses agree (printed, as the check that both sides compute the
 same thing).
 
+``--channels-last`` runs every side channels last (models and batches, as
+``model.to(memory_format=torch.channels_last)`` does).
+
     python benchmarks/step_ab.py                      # 2 ranks, 256x384 grid, 7 rounds
     python benchmarks/step_ab.py --ranks 2 --grid 128 192 --rounds 5 --warmup 2
+    python benchmarks/step_ab.py --channels-last
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from model_memory import _sync, build_model, global_batch, training_step  # noqa: E402
 from rank_processes import run_ranks  # noqa: E402
 
-__all__ = ["StepSides", "step_sides", "alternate_steps", "rounds_parser", "parse_rounds", "main"]
+__all__ = ["StepSides", "step_sides", "alternate_steps", "rounds_parser", "parse_rounds", "memory_format", "main"]
 
 
 def _recording_losses(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[Callable[[], None], list[torch.Tensor]]:
@@ -80,23 +84,30 @@ class StepSides(NamedTuple):
     slab_batch: dict[str, torch.Tensor]  # this rank's rows of the batch, as plain tensors: the floor
 
 
-def step_sides(mesh: Any, grid: Sequence[int]) -> StepSides:
+def step_sides(mesh: Any, grid: Sequence[int], memory_format: torch.memory_format = torch.contiguous_format) -> StepSides:
     """The sharded and the slab side of the StormCast lite step on ``mesh`` (a ("data", "domain")
-    mesh with a data axis of size 1), on its device, from the same weights and data."""
+    mesh with a data axis of size 1), on its device, from the same weights and data, models and
+    batches in ``memory_format``."""
     from physics_dp.nn import domain_mesh, parallelize
     from physics_dp.shard_tensor import Shard, distribute_tensor
 
     domain = domain_mesh(mesh)
     device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
-    batch = {k: v.to(device) for k, v in global_batch(1, 3, 5, tuple(grid), 0).items()}
+    batch = {k: v.to(device).contiguous(memory_format=memory_format) for k, v in global_batch(1, 3, 5, tuple(grid), 0).items()}
     sharded_batch = {k: distribute_tensor(v, domain, [Shard(2)]) for k, v in batch.items()}
     return StepSides(
-        device, batch, parallelize(build_model(tuple(grid), 3, 5).to(device), mesh, "none"), sharded_batch,
-        build_model(tuple(grid), 3, 5).to(device), {k: v.to_local().detach().clone() for k, v in sharded_batch.items()},
+        device, batch, parallelize(_model(grid, device, memory_format), mesh, "none"), sharded_batch,
+        _model(grid, device, memory_format), {k: v.to_local().detach().clone() for k, v in sharded_batch.items()},
     )
 
 
-def alternate_steps(mesh: Any, grid: Sequence[int], rounds: int, warmup: int) -> dict[str, Any]:
+def _model(grid: Sequence[int], device: torch.device, memory_format: torch.memory_format) -> torch.nn.Module:
+    return build_model(tuple(grid), 3, 5).to(device, memory_format=memory_format)
+
+
+def alternate_steps(
+    mesh: Any, grid: Sequence[int], rounds: int, warmup: int, memory_format: torch.memory_format = torch.contiguous_format
+) -> dict[str, Any]:
     """Alternate a plain step (rank 0 only), a sharded step and a slab step (every rank at once),
     ``warmup + rounds`` times.
 
@@ -107,11 +118,11 @@ def alternate_steps(mesh: Any, grid: Sequence[int], rounds: int, warmup: int) ->
     from physics_dp.nn import domain_mesh
 
     domain = domain_mesh(mesh)
-    sides = step_sides(mesh, grid)
+    sides = step_sides(mesh, grid, memory_format)
     device = sides.device
     sharded_step, sharded_losses = _recording_losses(sides.sharded_model, sides.sharded_batch)
     lead = dist.get_rank() == 0
-    plain_step, plain_losses = _recording_losses(build_model(tuple(grid), 3, 5).to(device), sides.batch) if lead else (None, [])
+    plain_step, plain_losses = _recording_losses(_model(grid, device, memory_format), sides.batch) if lead else (None, [])
     slab_step, _ = _recording_losses(sides.slab_model, sides.slab_batch)
     plain, sharded, slab = [], [], []
     for index in range(warmup + rounds):
@@ -136,7 +147,7 @@ def _rank_body(args: argparse.Namespace) -> dict[str, Any]:
 
     keep_freed_memory()
     mesh = DistributedManager().initialize_mesh((1, args.ranks), ("data", "domain"))
-    return alternate_steps(mesh, args.grid, args.rounds, args.warmup)
+    return alternate_steps(mesh, args.grid, args.rounds, args.warmup, memory_format(args))
 
 
 def summarize(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -166,7 +177,8 @@ def format_report(summary: dict[str, Any], args: argparse.Namespace) -> str:
     )
     return "\n".join([
         f"StormCast lite training step, grid {args.grid[0]}x{args.grid[1]}: plain x1 thread against {args.ranks} domain "
-        f"ranks x1 thread, alternating, {args.rounds} rounds after {args.warmup} warm-up",
+        f"ranks x1 thread, alternating, {args.rounds} rounds after {args.warmup} warm-up"
+        f"{', channels last' if args.channels_last else ''}",
         "",
         "| round | plain x1 ms | sharded ms (slowest rank) | slab ms (slowest rank) | speedup | overhead (sharded / slab) "
         "| at most (plain / slab) |",
@@ -187,7 +199,13 @@ def rounds_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--grid", nargs=2, type=int, default=[256, 384], metavar=("H", "W"))
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds (default 7)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
+    parser.add_argument("--channels-last", action="store_true", help="models and batches channels last")
     return parser
+
+
+def memory_format(args: argparse.Namespace) -> torch.memory_format:
+    """The memory format ``--channels-last`` asks for."""
+    return torch.channels_last if args.channels_last else torch.contiguous_format
 
 
 def parse_rounds(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:

@@ -49,7 +49,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from model_memory import training_step  # noqa: E402
 from rank_processes import run_ranks  # noqa: E402
-from step_ab import parse_rounds, rounds_parser, step_sides  # noqa: E402
+from step_ab import memory_format, parse_rounds, rounds_parser, step_sides  # noqa: E402
 
 from physics_dp.distributed.host_channel import seconds_waited  # noqa: E402
 
@@ -139,8 +139,11 @@ class _Mark(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def time_families(mesh: Any, grid: Sequence[int], rounds: int, warmup: int) -> dict[str, Any]:
-    """Alternate a sharded and a slab step ``warmup + rounds`` times; this rank's per-round results.
+def time_families(
+    mesh: Any, grid: Sequence[int], rounds: int, warmup: int, layout: torch.memory_format = torch.contiguous_format
+) -> dict[str, Any]:
+    """Alternate a sharded and a slab step ``warmup + rounds`` times (models and batches in ``layout``);
+    this rank's per-round results.
 
     ``mesh`` is a ("data", "domain") mesh with a data axis of size 1.  Each round of each side is
     ``{"step": s, "waited": s, "seconds": {"<family>/<forward|backward|waited>": s}, "calls": {family: n}}``.
@@ -150,7 +153,7 @@ def time_families(mesh: Any, grid: Sequence[int], rounds: int, warmup: int) -> d
 
     if mesh.device_type != "cpu":
         raise ValueError(f"step_families times CPU ranks only; on {mesh.device_type} the marks would time kernel launches")
-    problem = step_sides(mesh, grid)
+    problem = step_sides(mesh, grid, layout)
     sides = {
         "sharded": (training_step(problem.sharded_model, problem.sharded_batch)[0], FamilyClock(problem.sharded_model)),
         "slab": (training_step(problem.slab_model, problem.slab_batch)[0], FamilyClock(problem.slab_model)),
@@ -177,7 +180,7 @@ def _rank_body(args: argparse.Namespace) -> dict[str, Any]:
 
     keep_freed_memory()
     mesh = DistributedManager().initialize_mesh((1, args.ranks), ("data", "domain"))
-    return time_families(mesh, args.grid, args.rounds, args.warmup)
+    return time_families(mesh, args.grid, args.rounds, args.warmup, memory_format(args))
 
 
 def _median(rounds: list[dict], key: str) -> float:
@@ -214,7 +217,7 @@ def format_report(summaries: Sequence[dict[str, Any]], args: argparse.Namespace)
     """Rank 0's table, then each rank's extra and waiting per family (markdown, for docs/benchmarks.md)."""
     lines = [
         f"StormCast lite training step, grid {args.grid[0]}x{args.grid[1]}, {args.ranks} domain ranks x1 thread, "
-        f"median of {args.rounds} rounds after {args.warmup} warm-up; rank 0, ms",
+        f"median of {args.rounds} rounds after {args.warmup} warm-up{', channels last' if args.channels_last else ''}; rank 0, ms",
         "",
         "| family | calls | sharded | slab | floor | extra over floor | of it waiting | extra per call | extra, every rank |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",

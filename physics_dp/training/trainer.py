@@ -144,7 +144,8 @@ class Trainer:
     def fit(self) -> StageResult:
         cfg, t = self.cfg, self.cfg.training
         torch.manual_seed(t.seed)  # identical initial weights on every rank (synced anyway)
-        parallel = parallelize(self.task.build_model().to(self.device), self.mesh, cfg.parallel.data_parallel, t.precision)
+        model = self.task.build_model().to(self.device, memory_format=torch.channels_last if t.channels_last else torch.preserve_format)
+        parallel = parallelize(model, self.mesh, cfg.parallel.data_parallel, t.precision)
         if t.compile:
             compile_in_place(parallel.model, t.compile_backend)
         optimizer = build_optimizer(cfg.optim, parallel.model.parameters())

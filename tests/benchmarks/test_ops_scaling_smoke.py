@@ -31,11 +31,12 @@ def test_every_op_family_has_a_case_that_runs_forward_and_backward() -> None:
         assert case.kind in bench.TARGETS
         assert "|" not in case.name, f"{case.name!r} would split its row of the markdown table"
         small = case.shape[:2] + tuple(8 for _ in case.shape[2:])
-        gen = torch.Generator().manual_seed(0)
-        fn = case.build(gen, small)
-        x = torch.randn(small, requires_grad=True)
-        fn(x).sum().backward()
-        assert x.grad is not None and x.grad.shape == x.shape, case.name
+        for memory_format in (torch.contiguous_format, torch.channels_last):  # (--channels-last)
+            gen = torch.Generator().manual_seed(0)
+            fn = case.build(gen, small, memory_format)
+            x = torch.randn(small).contiguous(memory_format=memory_format).requires_grad_(True)
+            fn(x).sum().backward()
+            assert x.grad is not None and x.grad.shape == x.shape, case.name
 
 
 def test_slab_baseline_is_the_ranks_rows_plus_the_halo() -> None:

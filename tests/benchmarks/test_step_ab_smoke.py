@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 
 from physics_dp.testing import get_mesh, run_on_ranks
 from tests.benchmarks._scripts import load_benchmark
 
 
-def _alternate() -> dict:
-    return load_benchmark("step_ab").alternate_steps(get_mesh((1, 2), ("data", "domain")), (16, 24), 2, 1)
+def _alternate(memory_format: torch.memory_format = torch.contiguous_format) -> dict:
+    return load_benchmark("step_ab").alternate_steps(get_mesh((1, 2), ("data", "domain")), (16, 24), 2, 1, memory_format)
 
 
 def test_plain_and_sharded_steps_alternate_on_the_same_problem():
@@ -34,5 +35,12 @@ def test_plain_and_sharded_steps_alternate_on_the_same_problem():
     slab = [max(a, b) for a, b in zip(per_rank[0]["slab"], per_rank[1]["slab"])]
     assert summary["overheads"] == [s / f for s, f in zip(summary["sharded_s"], slab)]
     assert summary["at_most"] == [p / f for p, f in zip(per_rank[0]["plain"], slab)]
-    report = script.format_report(summary, argparse.Namespace(grid=[16, 24], ranks=2, rounds=2, warmup=1))
+    report = script.format_report(summary, argparse.Namespace(grid=[16, 24], ranks=2, rounds=2, warmup=1, channels_last=False))
     assert report.count("x |") == 4 and "at most" in report and "first-step loss" in report
+
+
+def test_channels_last_sides_compute_the_same_step():
+    """``--channels-last``: every side channels last, and the sharded step's first loss is still the plain one's."""
+    per_rank = run_on_ranks(2, _alternate, torch.channels_last)
+    assert per_rank[0]["plain_loss"] == pytest.approx(per_rank[0]["sharded_loss"], rel=1e-4)
+    assert per_rank[0]["plain_loss"] == pytest.approx(run_on_ranks(2, _alternate)[0]["plain_loss"], rel=1e-4)

@@ -40,7 +40,7 @@ def test_each_family_is_timed_inside_both_steps():
         assert rows["step"]["floor_ms"] == rows["step"]["slab_ms"] + rows["attention"]["slab_ms"]
         families = sum(rows[f]["sharded_ms"] for f in script.FAMILIES)
         assert abs(families + rows["everything else"]["sharded_ms"] - rows["step"]["sharded_ms"]) < 1e-6
-    report = script.format_report(summaries, argparse.Namespace(grid=[32, 48], ranks=2, rounds=2, warmup=1))
+    report = script.format_report(summaries, argparse.Namespace(grid=[32, 48], ranks=2, rounds=2, warmup=1, channels_last=False))
     assert report.count("\n| ") == 2 + len(script.FAMILIES) + 2 and "step / floor" in report
     first = summaries[0]["rows"][0]  # a family's row reports its extra per call
     assert f"| {first['extra_ms'] / first['calls']:.2f} |" in report.splitlines()[4]
