@@ -38,7 +38,7 @@ from ..distributed.tracing import is_tracing
 from ..shard_tensor import Replicate, ShardTensor, ShardTensorSpec
 from ..shard_tensor.conversions import function_output, slab_gradient
 from ..shard_tensor.dispatch import run_default
-from ..shard_tensor.spec import CHANNELS_LAST_ORDERS, in_spec_order
+from ..shard_tensor.spec import CHANNELS_LAST_ORDERS, in_spec_order, inverse_order
 from . import fused_cpu
 from .autocast import fp32_where_autocast_does
 from ._local import (
@@ -120,7 +120,7 @@ def _returned(ctx, y: torch.Tensor, out: _Output | None) -> torch.Tensor:
     shape = out.spec.local_shape()
     if ctx.layout.channels_last:  # the (N, L, C) work is the channels-last slab's memory
         order = CHANNELS_LAST_ORDERS[len(shape)]
-        local = y.view([shape[d] for d in order]).permute(_inverse(order))
+        local = y.view([shape[d] for d in order]).permute(inverse_order(order))
     else:
         local = y.view(shape)
         local = local if out.spec.is_contiguous() else in_spec_order(local, out.spec)
@@ -137,9 +137,6 @@ def _work_gradient(ctx, grad: torch.Tensor) -> torch.Tensor:
         grad = grad.permute(CHANNELS_LAST_ORDERS[grad.ndim])
     return grad.reshape(shape).to(dtype)
 
-
-def _inverse(order: Sequence[int]) -> list[int]:
-    return sorted(range(len(order)), key=order.__getitem__)
 
 
 @functools.lru_cache(maxsize=64)
@@ -353,7 +350,7 @@ def _normalize_on_cpu_kernels(
     x3: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, layout: _StatLayout,
     groups: tuple[ProcessGroup, ...], eps: float,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """The normalization of an (N, C, L) slab from :mod:`.fused_cpu`'s kernels, five calls: the
+    """The normalization of an (N, C, L) slab (or (N, L, C), per ``layout``) from :mod:`.fused_cpu`'s kernels, five calls: the
     slab's statistics, their merge over the ranks, the coefficients, then y = scale * x + shift.
     Returns y and the statistics the backward takes (packed moments, 1 / std, coefficients)."""
     stats = _cpu_statistics(x3, weight, bias, layout, groups, eps)
@@ -370,7 +367,8 @@ def _cpu_statistics(
     groups: tuple[ProcessGroup, ...], eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(packed moments merged over the ranks, 1 / std, rows (scale, shift, mean) per (sample, channel))
-    of an (N, C, L) slab from :mod:`.fused_cpu`'s kernels."""
+    of an (N, C, L) slab, or of the (N, L, C) view of a channels-last one (``layout.channels_last``),
+    from :mod:`.fused_cpu`'s kernels."""
     if layout.channels_last:
         n, _, channels = x3.shape
         moments = fused_cpu.channels_last_moments(x3, layout.groups, layout.per_sample)

@@ -23,6 +23,7 @@ __all__ = [
     "contiguous_strides",
     "memory_order",
     "in_memory_order",
+    "inverse_order",
     "dense_order",
     "strides_in_order",
     "in_spec_order",
@@ -55,7 +56,12 @@ def memory_order(stride: Sequence[int]) -> list[int]:
 def in_memory_order(local: torch.Tensor, order: Sequence[int]) -> torch.Tensor:
     """``local`` with its dims laid out in memory from outermost to innermost as ``order``: a slab
     that keeps its global tensor's memory order (a copy only where it is not already so)."""
-    return local.permute(order).contiguous().permute(sorted(range(len(order)), key=order.__getitem__))
+    return local.permute(order).contiguous().permute(inverse_order(order))
+
+
+def inverse_order(order: Sequence[int]) -> list[int]:
+    """The permutation that undoes ``permute(order)``."""
+    return sorted(range(len(order)), key=order.__getitem__)
 
 
 # channels last (torch.channels_last, channels_last_3d): the channel dim innermost, by tensor rank
@@ -83,6 +89,18 @@ def dense_order(shape: Sequence[int], stride: Sequence[int]) -> list[int] | None
             return None
         expected *= shape[dim]
     return order
+
+
+def _dense_in(shape: Sequence[int], stride: Sequence[int], order: Sequence[int]) -> bool:
+    """Whether ``stride`` lays ``shape`` out densely with its dims in ``order``, ignoring the strides
+    of size-1 dims (torch's ``is_contiguous(memory_format=...)``)."""
+    expected = 1
+    for dim in reversed(list(order)):
+        if shape[dim] != 1:
+            if stride[dim] != expected:
+                return False
+            expected *= shape[dim]
+    return True
 
 
 def strides_in_order(shape: Sequence[int], order: Sequence[int]) -> tuple[int, ...]:
@@ -283,10 +301,16 @@ class ShardTensorSpec:
         return value
 
     def is_channels_last(self) -> bool:
-        """Whether the layout is channels last and not also row-major (torch's
-        ``suggest_memory_format``: a tensor that is both, with one channel, counts as contiguous)."""
+        """Whether the layout is channels last and not also row-major, as torch asks it
+        (``suggest_memory_format``; strides of size-1 dims do not count, so a layout with one
+        channel or one pixel is row-major)."""
         order = CHANNELS_LAST_ORDERS.get(self.ndim)
-        return order is not None and not self.is_contiguous() and self.stride == strides_in_order(self.shape, order)
+        if order is None or self.is_contiguous():
+            return False
+        return self.derived(
+            ("channels last",),
+            lambda: _dense_in(self.shape, self.stride, order) and not _dense_in(self.shape, self.stride, range(self.ndim)),
+        )
 
     def in_order(self, order: Sequence[int]) -> ShardTensorSpec:
         """This spec laid out densely with its dims in memory from outermost to innermost as

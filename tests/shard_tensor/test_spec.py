@@ -101,3 +101,54 @@ def test_unpickling_runs_init_so_derived_fields_follow_the_code():
     """torch.compile's disk caches pickle specs; one pickled by an older version must not lack new fields."""
     for results in run_on_ranks(2, _pickled_specs_come_back_whole):
         assert results == [(True, 1)] * 4
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (1, 8, 1, 6), (2, 1, 3, 3), (1, 4, 2, 3, 5)])
+def test_dense_layout_helpers_agree_with_torch(shape):
+    """Strides of a permuted dense layout, its order, and the layout checks, against torch's own."""
+    from physics_dp.shard_tensor.spec import (
+        CHANNELS_LAST_ORDERS, channels_last_order, dense_order, in_memory_order, inverse_order, strides_in_order,
+    )
+
+    order = CHANNELS_LAST_ORDERS[len(shape)]
+    memory_format = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+    t = torch.empty(shape, memory_format=memory_format)
+    assert strides_in_order(shape, order) == t.stride()
+    assert strides_in_order(shape, range(len(shape))) == torch.empty(shape).stride()
+    assert dense_order(shape, t.stride()) is not None
+    assert dense_order(shape, torch.empty(shape).expand(*shape).stride()) is not None
+    assert dense_order((2, 3), (0, 1)) is None  # an expanded dim: no dense order
+    # torch's question: channels last and not also row-major (one channel, or one pixel, is row-major)
+    expected = t.is_contiguous(memory_format=memory_format) and not t.is_contiguous()
+    assert (channels_last_order(t) is not None) == expected
+    permuted = torch.randn(shape)
+    again = in_memory_order(permuted, order)
+    assert torch.equal(again, permuted) and again.permute(order).is_contiguous()
+    assert in_memory_order(again, order).data_ptr() == again.data_ptr()  # already so: no copy
+    assert list(permuted.permute(order).permute(inverse_order(order)).shape) == list(shape)
+
+
+def _spec_layouts():
+    from physics_dp.shard_tensor.spec import CHANNELS_LAST_ORDERS, in_spec_order, laid_out_as
+
+    mesh = get_mesh((2,))
+    row_major = ShardTensorSpec(mesh, [Shard(2)], (2, 3, 8, 5))
+    channels_last = row_major.in_order(CHANNELS_LAST_ORDERS[4])
+    one_channel = ShardTensorSpec(mesh, [Shard(2)], (2, 1, 8, 5)).in_order(CHANNELS_LAST_ORDERS[4])
+    local = torch.randn(row_major.local_shape())
+    laid = in_spec_order(local, channels_last)
+    return {
+        "same spec object per order": channels_last is row_major.in_order(CHANNELS_LAST_ORDERS[4]),
+        "identity order is row-major": row_major.in_order(range(4)) is row_major,
+        "flags": (row_major.is_channels_last(), channels_last.is_channels_last(), one_channel.is_channels_last()),
+        "values kept": torch.equal(laid, local),
+        "laid out": (laid_out_as(local, channels_last), laid_out_as(laid, channels_last), laid_out_as(local, row_major)),
+        "no second copy": in_spec_order(laid, channels_last).data_ptr() == laid.data_ptr(),
+    }
+
+
+def test_specs_lay_slabs_out_channels_last():
+    result = run_on_ranks(2, _spec_layouts)[0]
+    assert result["same spec object per order"] and result["identity order is row-major"]
+    assert result["flags"] == (False, True, False)
+    assert result["values kept"] and result["laid out"] == (False, True, True) and result["no second copy"]
