@@ -359,7 +359,7 @@ def _scatter_window(
         grad_local = grad.narrow(dim, own, local_shape[dim])
         mine = sum(1 for segment in plan.segments if segment.source == plan.me)
         if plan.sends or mine > 1:  # rows will be added to it: a copy of our own
-            grad_local = grad_local.clone(memory_format=torch.contiguous_format)
+            grad_local = grad_local.clone(memory_format=torch.preserve_format)
     grad_pieces = {peer: grad.new_zeros(with_extent(grad.shape, dim, count)) for peer, count in plan.receives}
     grad_pieces[plan.me] = grad_local
     position = 0
