@@ -127,7 +127,7 @@ class _Mark(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, clock: FamilyClock, family: str, module: int, after: bool) -> torch.Tensor:  # type: ignore[override]
         ctx.clock, ctx.family, ctx.module, ctx.after = clock, family, module, after
-        return x.view_as(x)
+        return torch.ops.aten.alias(x)  # (view_as recomputes the strides of size-1 dims: a one-sample channels-last slab would turn row-major)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
