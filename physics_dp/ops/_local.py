@@ -22,6 +22,7 @@ from ..shard_tensor.conversions import from_local_with_spec, shared_local, to_lo
 from ..shard_tensor.dtensor_params import is_dtensor_param, local_replica
 from ..shard_tensor.redistribute import redistribute_local
 from .grad_sums import SumGradOverGroups
+from .memory_format import in_output_layout
 
 __all__ = [
     "local_input",
@@ -109,8 +110,7 @@ def wrap_local(
 ) -> ShardTensor:
     """Wrap a local result as a ShardTensor on ``like``'s mesh and placements with the given split,
     row-major or with its dims in memory as ``order`` (see :mod:`.memory_format`)."""
-    spec = ShardTensorSpec(like.device_mesh, like.placements, shape, axis_sizes)
-    return wrap_local_as(local, spec if order is None else spec.in_order(order))
+    return wrap_local_as(local, in_output_layout(ShardTensorSpec(like.device_mesh, like.placements, shape, axis_sizes), order))
 
 
 def wrap_local_as(local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:

@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from physics_dp.distributed.collectives import count_communication
 from physics_dp.ops import fused_cpu
 from physics_dp.shard_tensor import Shard, ShardTensor, distribute_tensor
 from physics_dp.shard_tensor.spec import laid_out_as
@@ -137,8 +138,9 @@ class _SlabCopies(TorchDispatchMode):
         return out
 
 
-def _copies(memory_format: torch.memory_format) -> dict[str, list[str]]:
-    """Slab-sized copies made by each op's forward and backward (after a warm call) on 2 ranks."""
+def _copies(memory_format: torch.memory_format) -> tuple[dict[str, list[str]], dict[str, tuple[int, int]]]:
+    """Slab-sized copies made by each op's forward and backward (after a warm call) on 2 ranks, and
+    the (bytes, collectives) this rank sent for them."""
     mesh = get_mesh((2,))
     torch.manual_seed(0)
     ops = {
@@ -148,25 +150,28 @@ def _copies(memory_format: torch.memory_format) -> dict[str, list[str]]:
         "nearest x2": lambda t: F.interpolate(t, scale_factor=2, mode="nearest"),
         "bilinear x2": lambda t: F.interpolate(t, scale_factor=2, mode="bilinear"),
     }
-    copies = {}
+    copies, sent = {}, {}
     for name, op in ops.items():
         x = distribute_tensor(randn((1, 16, 32, 24)).contiguous(memory_format=memory_format), mesh, [Shard(2)])
         x.requires_grad_(True)
         grad = torch.ones_like(op(x))  # (warm: plans and kernels built before counting)
-        with _SlabCopies(x.to_local().numel()) as mode:
+        with _SlabCopies(x.to_local().numel()) as mode, count_communication() as log:
             op(x).backward(grad)
-        copies[name] = mode.copies
-    return copies
+        copies[name], sent[name] = mode.copies, (log.bytes_sent, log.calls)
+    return copies, sent
 
 
 def test_channels_last_makes_no_more_slab_copies_than_row_major():
     """A channels-last block (group norm, SiLU, 3x3 conv) copies no slab, nor do pooling and
-    interpolation; max pooling's backward copies its own rows once in either layout."""
+    interpolation; max pooling's backward copies its own rows once in either layout.  Both layouts
+    send the same bytes in the same collectives (halo rows and statistics: no gather of a slab)."""
     if not fused_cpu.build():
         pytest.skip("the fused CPU kernels could not be built here")
     channels_last = run_on_ranks(2, _copies, CL)
     row_major = run_on_ranks(2, _copies, torch.contiguous_format)
     assert channels_last == row_major, (channels_last, row_major)
-    for copies in channels_last:
+    slab_bytes = 16 * 16 * 24 * 4  # a rank's (1, 16, 16, 24) slab
+    for copies, sent in channels_last:
+        assert all(sent_bytes < slab_bytes for sent_bytes, _ in sent.values()), sent
         assert all(not made for name, made in copies.items() if name != "max pool 3, stride 1"), copies
         assert len(copies["max pool 3, stride 1"]) <= 1, copies
