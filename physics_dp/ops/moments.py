@@ -28,6 +28,7 @@ from . import fused_cpu
 
 __all__ = [
     "exact_local_moments", "merge_moments", "merge_packed", "unpacked", "global_moments", "row_moments", "row_parts",
+    "channels_last_moments",
     "LOW_PRECISION",
 ]
 
@@ -56,6 +57,29 @@ def row_moments(rows: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, 
         return None, *(merge_equal_parts(mean.view(p, parts), rstd.view(p, parts)) if parts > 1 else (mean, rstd))
     normalized, mean, rstd = torch.native_group_norm(rows, None, None, 1, p, q, p, 0.0)
     return normalized.view(p, q), mean.view(p), rstd.view(p)
+
+
+def channels_last_moments(tokens: torch.Tensor, per_sample: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel (mean, biased variance) of the (N, L, C) view of a channels-last slab, float64,
+    shaped (N, C) (per sample) or (1, C) (over the batch), read in place.
+
+    Viewed as (N, C, L, 1), the slab is a channels-last 4-D tensor, which torch's per-channel
+    batch-norm statistics take in their channels-last paths: no transposed copy of the slab (copying
+    it row-major for :func:`row_moments` costs several times the statistics themselves; ``var_mean``
+    over these dims, 15x the batch-norm kernel on a CPU thread).  Per sample, a sample at a time.
+    On the CPU the kernel also writes the slab normalized (there is no statistics-only kernel).
+    """
+    x4 = tokens.transpose(1, 2).unsqueeze(-1)
+    means, variances = [], []
+    for part in (x4.split(1) if per_sample else (x4,)):
+        if part.is_cuda and not is_tracing():
+            mean, rstd = torch.batch_norm_stats(part, 0.0)
+        else:
+            _, mean, rstd = torch.native_batch_norm(part, None, None, None, None, True, 0.0, 0.0)
+        means.append(mean.double())
+        # both kernels give 1 / std = 0 for a constant channel (var 0, eps 0): var 0, not inf
+        variances.append(rstd.double().pow(-2).masked_fill_(rstd == 0, 0.0))
+    return torch.stack(means), torch.stack(variances)
 
 
 _LONG_ROW = 1 << 20  # values per row above which a row's lone block of threads outlasts the parts' few extra kernels

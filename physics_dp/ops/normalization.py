@@ -10,7 +10,8 @@ statistics must span every rank along that axis:
   the grid size.  y = x * a + b (a and b folded from the global statistics and the affine
   parameters) is then one pass: on a CPU rank :mod:`.fused_cpu`'s kernels (the statistics read x
   once and write nothing); else torch's moments kernel also wrote the slab normalized by its own
-  rows' statistics, and that output is rescaled in place, which reads memory just written.
+  rows' statistics, and that output is rescaled in place, which reads memory just written (a
+  channels-last slab is read in place by batch norm's per-channel kernels, then one broadcast pass).
 - Backward: with g = dL/dxhat, dx = rstd * (g - mean(g) - xhat * mean(g * xhat)).  The sums of dy
   and dy * xhat per (sample, channel) come from one fused pass (:mod:`.fused_cpu`'s, else torch's
   batch-norm backward reduction) and are all-reduced in one message.  For the channel norms they
@@ -45,7 +46,7 @@ from ._local import (
     ShardedOpError, data_axes, groups_over, groups_spanning, local_input, local_param, sharded_axes, wrap_local_as,
 )
 from .grad_sums import SumGradOverGroups, creating_graph, sum_shares
-from .moments import LOW_PRECISION, merge_moments, merge_packed, row_moments, row_parts, unpacked
+from .moments import LOW_PRECISION, channels_last_moments, merge_moments, merge_packed, row_moments, row_parts, unpacked
 
 __all__: list[str] = []
 
@@ -66,15 +67,25 @@ class _StatLayout:
     def __init__(self, groups: int, per_sample: bool, channels_last: bool = False) -> None:
         self.groups, self.per_sample, self.channels_last = groups, per_sample, channels_last
 
+    def sizes(self, x3: torch.Tensor) -> tuple[int, int, int]:
+        """(N, C, L) of the work, whichever of the two views it is."""
+        return (x3.shape[0], x3.shape[2], x3.shape[1]) if self.channels_last else tuple(x3.shape)
+
     def local_moments(self, x3: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor, _LocalRows | None]:
         """(values per statistic, mean, biased variance) of the slab, shaped (N or 1, groups), and
-        the slab normalized by the statistics of its own rows (None for an empty slab, and where
-        :func:`.moments.row_moments` writes no normalized rows)."""
-        n, c, length = x3.shape
+        the slab normalized by the statistics of its own rows (None for an empty slab, for the
+        (N, L, C) view of a channels-last one, and where :func:`.moments.row_moments` writes no
+        normalized rows)."""
+        n, c, length = self.sizes(x3)
         count = c // max(self.groups, 1) * length if self.per_sample else n * length
         if x3.numel() == 0:  # zero moments that weigh nothing in the merge
             zeros = torch.zeros(n if self.per_sample else 1, self.groups, dtype=torch.float64, device=x3.device)
             return count, zeros, zeros, None
+        if self.channels_last:  # per channel, then each group's channels merged (equal counts), in float64
+            channel_mean, channel_var = channels_last_moments(x3, self.per_sample)
+            per_group = (-1, self.groups, c // self.groups)
+            spread, mean = torch.var_mean(channel_mean.view(per_group), -1, correction=0)
+            return count, mean, spread.add_(channel_var.view(per_group).mean(-1)), None
         normalized, mean, rstd = row_moments(x3.reshape(n * self.groups, -1) if self.per_sample else x3.reshape(n * c, length))
         local = None if normalized is None else _LocalRows(normalized.view(n, c, length), mean.view(n, -1, 1), rstd.view(n, -1, 1))
         var = rstd.double().pow(-2).view(n, -1)
@@ -185,9 +196,11 @@ def _scale_shift(
     into parts (:func:`.moments.row_parts`), each with the channel's coefficients.  (Where
     :mod:`.fused_cpu` serves, the norms call its per-row kernel instead: up to 1.4x faster.)
     """
-    n, c, length = x3.shape
     if x3.numel() == 0:  # an empty shard (the kernel cannot take zero channels)
         return x3 if in_place else torch.empty_like(x3)
+    if layout.channels_last:  # (N, L, C): one broadcast pass writes the channels-last output
+        return torch.addcmul(_per_token(layout, x3, shift), x3, _per_token(layout, x3, scale))
+    n, c, length = x3.shape
     parts = 1 if in_place else row_parts(n * c, length, x3.device)
     weight, bias = layout.expanded(scale, n, c, x3.dtype, parts), layout.expanded(shift, n, c, x3.dtype, parts)
     zeros, ones, scratch = _identity_stats(n * c * parts, x3)
@@ -207,9 +220,11 @@ def _dy_and_x_terms(
     Two passes: ``x3 * b + c`` into a new tensor (:func:`_scale_shift`), then ``addcmul_`` of
     ``a * grad`` (no stock kernel reads three tensors; :mod:`.fused_cpu`'s does, where it serves).
     """
-    n, channels, length = x3.shape
     if x3.numel() == 0:  # an empty shard (it may hold no statistic at all)
         return torch.empty_like(x3)
+    if layout.channels_last:  # (N, L, C): broadcast passes, channels-last output
+        return torch.addcmul(_per_token(layout, x3, c), x3, _per_token(layout, x3, b)).addcmul_(grad, _per_token(layout, x3, a))
+    n, channels, length = x3.shape
     out = _scale_shift(x3, b, c, layout)
     return out.addcmul_(grad, layout.expanded(a, n, channels, grad.dtype).view(n, channels, 1))
 
@@ -238,12 +253,40 @@ def _row_sums(grad: torch.Tensor, x: torch.Tensor, mean: torch.Tensor) -> torch.
     return sums.view(2, channels, parts).sum(-1) if parts > 1 else sums
 
 
+def _per_token(layout: _StatLayout, tokens: torch.Tensor, per_stat: torch.Tensor) -> torch.Tensor:
+    """A per-statistic coefficient as the (N, 1, C) tensor that broadcasts along the tokens of an (N, L, C) view."""
+    n, _, channels = tokens.shape
+    return layout.expanded(per_stat, n, channels, tokens.dtype).view(n, 1, channels)
+
+
+def _channel_sums_channels_last(grad: torch.Tensor, tokens: torch.Tensor, mean: torch.Tensor, per_sample: bool) -> torch.Tensor:
+    """:func:`_row_sums` of the (N, L, C) views of channels-last slabs: per (sample, channel), or per channel over the
+    batch, (2, N * C or C), float64.
+
+    Viewed as (N, C, L, 1), the tensors are channels-last 4-D ones, which torch's batch-norm
+    backward reduction reads in its channels-last path, a sample at a time where the statistics are
+    per sample: no transposed copy of either.  ``mean`` has a value per summed (sample,) channel.
+    """
+    channels = tokens.shape[2]
+    grad4, x4 = (t.transpose(1, 2).unsqueeze(-1) for t in (grad, tokens))
+    _, ones, _ = _identity_stats(channels, tokens)
+    parts = zip(grad4.split(1), x4.split(1), mean.split(channels)) if per_sample else ((grad4, x4, mean),)
+    sums = []
+    for part_grad, part, part_mean in parts:
+        _, sum_dy_xmu, sum_dy = torch.ops.aten.native_batch_norm_backward(
+            part_grad, part, ones, None, None, part_mean, ones, True, 0.0, [False, True, True]
+        )
+        sums.append(torch.stack((sum_dy, sum_dy_xmu)))
+    return torch.cat(sums, 1).double()
+
+
 class _ChannelNorm(torch.autograd.Function):
     """Group, batch or instance norm with statistics over the global grid, affine included.
 
     Forward: fused local moments, one all-gather of the float64 statistics per group, merged,
     then y = x * a + b in one pass (on the stock kernels, from the moments kernel's own output, in
-    place: :func:`_rescaled`).  Backward: the per-(sample, channel) sums of dy and dy * (x - mean)
+    place: :func:`_rescaled`; for the (N, L, C) view of a channels-last slab, batch norm's
+    per-channel kernels and a broadcast pass over the slab's own memory).  Backward: the per-(sample, channel) sums of dy and dy * (x - mean)
     (one fused pass), all-reduced in one message, give dx = a * dy + beta * x + gamma
     (:func:`_dy_and_x_terms`) and the weight and bias gradients in closed form (already summed
     over the ranks that share the statistics).  Where :mod:`.fused_cpu` serves, each step is one
@@ -300,7 +343,7 @@ class _ChannelNorm(torch.autograd.Function):
 def _channel_norm_on_stock_kernels(ctx, x3: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None):
     """The forward from torch's kernels and small tensor ops: (y, total count, mean, var)."""
     layout = ctx.layout
-    per_group = (layout.groups, x3.shape[1] // layout.groups)
+    per_group = (layout.groups, layout.sizes(x3)[1] // layout.groups)
     count, mean, var, local = layout.local_moments(x3)
     total, mean, var = merge_moments(count, mean, var, ctx.groups)
     mean, var = mean.view(-1, layout.groups, 1), var.view(-1, layout.groups, 1)
@@ -319,10 +362,12 @@ def _channel_norm_backward_on_stock_kernels(ctx, grad: torch.Tensor) -> tuple:
     mean, rstd, scale = ctx.stats
     total = ctx.total
     layout = ctx.layout
-    n, channels, length = x3.shape
+    n, channels, length = layout.sizes(x3)
     per_group = (layout.groups, channels // layout.groups)
     mean_c = layout.expanded(mean, n if layout.per_sample else 1, channels, x3.dtype)
-    if layout.per_sample:  # statistics per (sample, channel): one row each
+    if layout.channels_last:  # the (N, L, C) view of a channels-last slab
+        sums = _channel_sums_channels_last(grad, x3, mean_c, layout.per_sample)
+    elif layout.per_sample:  # statistics per (sample, channel): one row each
         rows = (1, n * channels, length)
         sums = _row_sums(grad.view(rows), x3.reshape(rows), mean_c)
     else:  # batch statistics: the kernel sums the rank's part of the batch too
@@ -477,13 +522,13 @@ def _channel_norm(
 
 
 def _channels_last_work(x: ShardTensor, work: torch.Tensor) -> torch.Tensor | None:
-    """A channels-last slab as the (N, L, C) view of its memory where :mod:`.fused_cpu`'s
-    channels-last kernels serve it, else None (its rows are copied out row-major)."""
+    """A channels-last slab as the (N, L, C) view of its memory, which both :mod:`.fused_cpu`'s
+    channels-last kernels and the stock kernels' channels-last paths read in place; None for other
+    layouts (their rows are copied out row-major)."""
     if not x._spec.is_channels_last():
         return None
     tokens = work.permute(CHANNELS_LAST_ORDERS[work.ndim])
-    tokens = tokens.reshape(tokens.shape[0], -1, tokens.shape[-1]) if tokens.is_contiguous() else None
-    return tokens if tokens is not None and fused_cpu.usable(tokens) else None
+    return tokens.reshape(tokens.shape[0], -1, tokens.shape[-1]) if tokens.is_contiguous() else None
 
 
 # ----- layer norm over sharded dims: global statistics per leading index -----------------------

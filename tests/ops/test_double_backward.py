@@ -20,6 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from physics_dp.shard_tensor import Replicate, Shard, ShardTensor, distribute_tensor
 from physics_dp.testing import get_mesh, run_on_ranks
 
+from .test_normalization import on_stock_kernels
 from .test_strided import LAYOUTS as STRIDED_LAYOUTS
 from .test_strided import SHAPE as STRIDED_SHAPE
 from .test_strided import _attention as strided_attention
@@ -142,11 +143,11 @@ def _penalty(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return gx.square().sum() + y.mean()
 
 
-def _compare_penalty(name, factory, shape, mesh, placements, sizes, atol=1e-4):
+def _compare_penalty(name, factory, shape, mesh, placements, sizes, atol=1e-4, memory_format=torch.contiguous_format):
     torch.manual_seed(0)
-    module = factory()
+    module = factory().to(memory_format=memory_format)
     reference = copy.deepcopy(module)
-    g = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(1)).contiguous(memory_format=memory_format)
     x = g.clone().requires_grad_(True)
     xs = distribute_tensor(g.clone(), mesh, placements, sizes).requires_grad_(True)
     _penalty(reference, x).backward()
@@ -193,6 +194,23 @@ def test_gradient_penalty_input_and_parameter_grads(world, family):
 
 def test_gradient_penalty_on_a_2x2_mesh():
     run_on_ranks(4, _mesh_2x2_cases)
+
+
+def _channels_last_cases(world):
+    """Channels-last inputs and modules: the norms' double backward reads their (N, L, C) work."""
+    mesh = get_mesh((world,))
+    for name in ("conv2d_same_fast_path", "group_norm", "batch_norm"):
+        factory, shape = _field(13, 6)[name]
+        _compare_penalty(name, factory, shape, mesh, [Shard(2)], {0: UNEVEN_H[world]}, memory_format=torch.channels_last)
+    return True
+
+
+@pytest.mark.parametrize("kernels", ["fused CPU", "stock"])
+def test_gradient_penalty_of_channels_last_modules(kernels):
+    if kernels == "stock":
+        run_on_ranks(2, on_stock_kernels, _channels_last_cases, 2)
+    else:
+        run_on_ranks(2, _channels_last_cases, 2)
 
 
 def _parameter_penalty(world):

@@ -204,7 +204,7 @@ def test_normalization_matches_single_device(layout: str, family: str) -> None:
     assert len(checked) >= 3 * 4, checked
 
 
-def _on_stock_kernels(check: Callable[..., Any], *args) -> Any:
+def on_stock_kernels(check: Callable[..., Any], *args) -> Any:
     """``check`` with the fused CPU kernels off: the path of a CPU rank with several threads or no compiler."""
     previous = fused_cpu.set_enabled(False)
     try:
@@ -216,7 +216,7 @@ def _on_stock_kernels(check: Callable[..., Any], *args) -> Any:
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("layout", ["3", "2x2-HxW"])
 def test_stock_cpu_kernels_match_single_device(layout: str, family: str) -> None:
-    checked = run_on_ranks(world_of(layout), _on_stock_kernels, _check_family, layout, family)[0]
+    checked = run_on_ranks(world_of(layout), on_stock_kernels, _check_family, layout, family)[0]
     assert len(checked) >= 3 * 4, checked
 
 
@@ -375,11 +375,11 @@ def test_a_sharded_norm_is_one_autograd_node() -> None:
 
 
 # ----- numerics, precision, errors ------------------------------------------------------------------
-def _large_offset_combos() -> dict[str, Callable[[], None]]:
+def _large_offset_combos(memory_format: torch.memory_format) -> dict[str, Callable[[], None]]:
     """1e8 + N(0, 1) in float64: E[x^2] - E[x]^2 loses every digit of the variance; merged M2 does not."""
     shape = SHAPES["uneven"]
     mesh, placements, sizes = sharding("3", "skewed", shape)
-    x = 1e8 + randn(shape, dtype=torch.float64)
+    x = (1e8 + randn(shape, dtype=torch.float64)).contiguous(memory_format=memory_format)
     naive = (x * x).mean() - x.mean() ** 2
     assert abs(float(naive) - float(x.var(correction=0))) > 0.1, "the offset is too small to defeat the naive formula"
     modules = {
@@ -389,11 +389,26 @@ def _large_offset_combos() -> dict[str, Callable[[], None]]:
         "LayerNorm": nn.LayerNorm(list(shape[1:])).double(),
     }
     return {
-        f"{name} on 1e8 + N(0, 1)": (lambda m=m: _check_module(m, x, mesh, placements, sizes)) for name, m in modules.items()
+        f"{name} on 1e8 + N(0, 1)": (lambda m=m: _check_module(_RowMajorOnOneDevice(m), x, mesh, placements, sizes))
+        for name, m in modules.items()
     }
 
 
-def _constant_slab_combos() -> dict[str, Callable[[], None]]:
+class _RowMajorOnOneDevice(nn.Module):
+    """``module`` on a ShardTensor as given, and on a plain tensor made row-major first: torch's own
+    channels-last group norm on the CPU computes E[x^2] - E[x]^2 (off by about 1e3 at a 1e8 offset in
+    float64) and its input gradient of a constant grid is off by 8e-5 of its size (row-major: 7e-8),
+    so the one-device reference of a channels-last input runs row-major."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x if isinstance(x, ShardTensor) else x.contiguous())
+
+
+def _constant_slab_combos(memory_format: torch.memory_format) -> dict[str, Callable[[], None]]:
     """Rows constant on a rank (their local 1 / std is inf), and a grid constant everywhere."""
     shape = SHAPES["uneven"]
     mesh, placements, _ = sharding("3", "uneven", shape)
@@ -403,34 +418,40 @@ def _constant_slab_combos() -> dict[str, Callable[[], None]]:
     everywhere = torch.full(shape, 0.25)
     combos = {}
     for label, x in (("constant first slab", partly), ("constant grid", everywhere)):
+        x = x.contiguous(memory_format=memory_format)
         for name, module in (
             ("GroupNorm", nn.GroupNorm(2, 4)),
             ("BatchNorm2d", nn.BatchNorm2d(4)),
             ("InstanceNorm2d", nn.InstanceNorm2d(4, affine=True)),
             ("LayerNorm", nn.LayerNorm(list(shape[1:]))),
         ):
-            combos[f"{name} on a {label}"] = lambda m=module, x=x: _check_module(m, x, mesh, placements, None)
+            combos[f"{name} on a {label}"] = lambda m=module, x=x: _check_module(_RowMajorOnOneDevice(m), x, mesh, placements, None)
     return combos
 
 
-def _bfloat16_check() -> None:
+def _bfloat16_check(memory_format: torch.memory_format) -> None:
     shape = SHAPES["uneven"]
     mesh, placements, sizes = sharding("3", "skewed", shape)
-    x = randn(shape).bfloat16()
+    x = randn(shape).bfloat16().contiguous(memory_format=memory_format)
     module = nn.GroupNorm(2, 4).bfloat16()
     assert_sharded_matches(module, [x], mesh, [placements], sharding_sizes=[sizes], atol=3e-2, rtol=3e-2)
 
 
-def _numerics() -> list[str]:
-    return run_combos({**_large_offset_combos(), **_constant_slab_combos(), "GroupNorm bfloat16": _bfloat16_check})
+def _numerics(memory_format: torch.memory_format) -> list[str]:
+    return run_combos({
+        **_large_offset_combos(memory_format), **_constant_slab_combos(memory_format),
+        "GroupNorm bfloat16": lambda: _bfloat16_check(memory_format),
+    })
 
 
-def test_large_offset_and_low_precision() -> None:
-    run_on_ranks(3, _numerics)
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last], ids=["row-major", "channels last"])
+def test_large_offset_and_low_precision(memory_format: torch.memory_format) -> None:
+    run_on_ranks(3, _numerics, memory_format)
 
 
-def test_large_offset_and_low_precision_on_stock_cpu_kernels() -> None:
-    run_on_ranks(3, _on_stock_kernels, _numerics)
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last], ids=["row-major", "channels last"])
+def test_large_offset_and_low_precision_on_stock_cpu_kernels(memory_format: torch.memory_format) -> None:
+    run_on_ranks(3, on_stock_kernels, _numerics, memory_format)
 
 
 def _unsupported() -> list[str]:
@@ -500,16 +521,22 @@ def _families_with_rows_cut() -> tuple[list[str], int]:
 
 def test_rows_cut_into_parts_match_single_device_across_ranks() -> None:
     # rows are cut for GPUs, which run the stock kernels
-    for _, cut in run_on_ranks(2, _on_stock_kernels, _families_with_rows_cut):
+    for _, cut in run_on_ranks(2, on_stock_kernels, _families_with_rows_cut):
         assert cut > 0
 
 
 def local_norm(kind: str, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, groups: int = 4) -> torch.Tensor:
     """The autograd functions behind the sharded norms over no process group (the slab's own
-    statistics); shared with ``test_normalization_cuda.py``."""
+    statistics); shared with ``test_normalization_cuda.py``.  A channels-last ``x`` of group or
+    batch norm is taken as the (N, L, C) view of its memory, as the sharded norms take it."""
     from physics_dp.ops import normalization as N
 
     n, c = x.shape[:2]
+    if kind in ("group", "batch") and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+        tokens = x.permute(0, 2, 3, 1).reshape(n, -1, c)  # a view: channels innermost
+        layout = N._StatLayout(groups, True, channels_last=True) if kind == "group" else N._StatLayout(c, False, channels_last=True)
+        y = N._ChannelNorm.apply(tokens, weight, bias, layout, (), 1e-5)[0]
+        return y.view(n, *x.shape[2:], c).permute(0, 3, 1, 2)
     if kind == "layer":
         return N._NormalizeGlobally.apply(x, tuple(range(1, x.ndim)), (), 1e-5)
     layout = {"group": N._StatLayout(groups, True), "batch": N._StatLayout(c, False), "instance": N._StatLayout(c, True)}[kind]
@@ -525,6 +552,30 @@ def torch_norm(kind: str, x: torch.Tensor, weight: torch.Tensor | None, bias: to
     if kind == "instance":
         return F.instance_norm(x, weight=weight, bias=bias)
     return F.layer_norm(x, x.shape[1:])
+
+
+@pytest.mark.parametrize("kernels", ["fused CPU", "stock"])
+@pytest.mark.parametrize("kind", ["group", "batch"])
+def test_channels_last_local_norm_equals_torch(kind: str, kernels: str) -> None:
+    """The norm Function on the (N, L, C) view of a channels-last slab, with constant channels and a
+    constant sample, against torch's op on the row-major tensor; the output is channels last."""
+    generator = torch.Generator().manual_seed(0)
+    x = 3 + torch.randn(2, 8, 5, 7, generator=generator, dtype=torch.float64)
+    x[0, 1], x[1] = 0.5, 0.25
+    weight, bias = (torch.randn(8, generator=generator, dtype=torch.float64).requires_grad_() for _ in range(2))
+    cotangent = torch.randn(x.shape, generator=generator, dtype=torch.float64)
+    results = []
+    previous = fused_cpu.set_enabled(kernels == "fused CPU")
+    try:
+        for op, data in ((local_norm, x.contiguous(memory_format=torch.channels_last)), (torch_norm, x)):
+            data = data.clone().requires_grad_()
+            out = op(kind, data, weight, bias)
+            results.append((out, *torch.autograd.grad(out, (data, weight, bias), cotangent)))
+    finally:
+        fused_cpu.set_enabled(previous)
+    assert results[0][0].is_contiguous(memory_format=torch.channels_last)
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected, atol=1e-9, rtol=1e-9)
 
 
 @pytest.mark.parametrize("kind", ["group", "batch", "instance", "layer"])

@@ -29,12 +29,21 @@ def test_constant_rows_normalize_as_torch_on_cuda(kind: str) -> None:
     _check_against_torch(kind, (2, 8, 5, 7), constant_rows=True)
 
 
-def _check_against_torch(kind: str, shape: tuple[int, ...], constant_rows: bool) -> None:
+@pytest.mark.parametrize("kind", ["group", "batch"])
+@pytest.mark.parametrize("constant_rows", [False, True])
+def test_channels_last_local_normalization_equals_torch_on_cuda(kind: str, constant_rows: bool) -> None:
+    """A channels-last slab read in place by CUDA's batch-norm statistics and backward kernels."""
+    _check_against_torch(kind, (2, 8, 37, 48), constant_rows, torch.channels_last)
+
+
+def _check_against_torch(
+    kind: str, shape: tuple[int, ...], constant_rows: bool, memory_format: torch.memory_format = torch.contiguous_format,
+) -> None:
     generator = torch.Generator().manual_seed(0)
     x = 3 + torch.randn(shape, generator=generator)
     if constant_rows:  # a whole sample and a whole channel of zeros: constant rows for every kind
         x[0], x[:, 0] = 0.0, 0.0
-    x = x.cuda().requires_grad_()
+    x = x.cuda().contiguous(memory_format=memory_format).requires_grad_()
     weight = torch.randn(shape[1], generator=generator).cuda().requires_grad_()
     bias = torch.randn(shape[1], generator=generator).cuda().requires_grad_()
     cotangent = torch.randn(shape, generator=generator).cuda()
