@@ -95,7 +95,7 @@ def test_channels_last_stays_channels_last_and_matches_one_device(layout):
 _NORM_CASES = ("group norm", "instance norm (affine)", "batch norm", "norm, silu, conv")
 
 
-@pytest.mark.parametrize("layout", ["2", "3", "2x2-HxW"])
+@pytest.mark.parametrize("layout", ["2", "3", "4", "2x2-HxW"])
 def test_channels_last_norms_on_stock_kernels_match_one_device(layout):
     """The norms' path on a GPU, a CPU rank with several threads or without a compiler: the stock
     kernels' channels-last paths read the slab in place (see the copy count below)."""
