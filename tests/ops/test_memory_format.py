@@ -127,8 +127,12 @@ def _three_d(world: int) -> bool:
     return True
 
 
-def test_channels_last_3d_convolution_and_norm():
-    assert all(run_on_ranks(2, _three_d, 2))
+@pytest.mark.parametrize("kernels", ["fused CPU", "stock"])
+def test_channels_last_3d_convolution_and_norm(kernels):
+    if kernels == "stock":
+        assert all(run_on_ranks(3, on_stock_kernels, _three_d, 3))
+    else:
+        assert all(run_on_ranks(2, _three_d, 2))
 
 
 class _SlabCopies(TorchDispatchMode):
