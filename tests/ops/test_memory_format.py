@@ -194,7 +194,7 @@ def test_channels_last_makes_no_more_slab_copies_than_row_major():
 def test_channels_last_norms_on_stock_kernels_copy_no_slab():
     """On the stock kernels (a GPU, a CPU rank with several threads), a channels-last group norm reads
     and writes its slab in place as the fused kernels do: it used to copy the slab row-major for its
-    statistics, its output back to channels last, and its gradient both ways (7x the fused path's
+    statistics, its output back to channels last, and its gradient both ways (6x the fused path's
     time for (1, 64, 256, 256) on 2 ranks)."""
     for copies, _ in run_on_ranks(2, on_stock_kernels, _copies, CL):
         assert not copies["norm, silu, conv"], copies
