@@ -31,9 +31,12 @@ after the slab's passes): ``merge_moments`` (Chan's merge of the ranks' statisti
 ``norm_coefficients`` (the forward's scale and shift per channel) and ``norm_grad_coefficients``
 (the backward's, and the affine parameters' gradients).
 
-They run on one thread, so they serve only where torch runs one intra-op thread (torchrun's
-default for several processes on a host, and what ``docs/performance.md`` recommends); with more
-threads torch's parallel stock kernels are used.  The build (a C++ compiler and ninja, through
+The row-major passes split their statistics or rows over torch's intra-op threads
+(``at::parallel_for``, built with OpenMP), each computed whole by one thread, so that a result does
+not depend on the thread count.  The channels-last kernels and layer norm's weighted sums run on
+one thread and serve only where torch runs one intra-op thread (torchrun's default for several
+processes on a host, and what ``docs/performance.md`` recommends); with more threads torch's
+parallel stock kernels take those paths.  The build (a C++ compiler and ninja, through
 ``torch.utils.cpp_extension``) happens once per machine and source, into the torch extensions
 directory (``TORCH_EXTENSIONS_DIR``), under a lock the operating system releases if the builder
 dies.  If it fails, the norms keep torch's stock kernels and one warning says why.
@@ -75,11 +78,15 @@ def set_enabled(enabled: bool) -> bool:
     return previous
 
 
-def usable(*tensors: torch.Tensor) -> bool:
+def usable(*tensors: torch.Tensor, serial_kernels: bool = False) -> bool:
     """Whether the kernels serve these tensors: contiguous, of one dtype (float32 or float64), on
-    the CPU, eager, one intra-op thread, and the kernels built (here, on the first call that needs
-    them)."""
-    if not _enabled or is_tracing() or torch.get_num_threads() != 1:
+    the CPU, eager, and the kernels built (here, on the first call that needs them).
+
+    The row-major passes split their work over torch's intra-op threads.  ``serial_kernels``: the
+    caller's path also takes kernels that run on one thread (the channels-last ones, layer norm's
+    weighted sums), which serve a one-thread process only: with several threads torch's parallel
+    stock kernels do."""
+    if not _enabled or is_tracing() or (serial_kernels and torch.get_num_threads() != 1):
         return False
     first = tensors[0]
     if first.device.type != "cpu" or first.dtype not in _DTYPES or first.numel() == 0:
@@ -228,7 +235,7 @@ def _build() -> None:
     from torch.utils.cpp_extension import load
 
     capability = torch.backends.cpu.get_cpu_capability()
-    flags = ["-O3", "-fopenmp-simd", *_ISA_FLAGS.get(capability, [])]
+    flags = ["-O3", "-fopenmp", *_ISA_FLAGS.get(capability, [])]  # OpenMP: at::parallel_for on torch's threads
     with open(_SOURCE, "rb") as source:
         key = hashlib.sha1(source.read())
     key.update(f"{torch.__version__} {sys.version_info[:2]} {capability} {flags}".encode())
@@ -243,4 +250,7 @@ def _build() -> None:
             os.remove(baton)
         if not os.path.exists(os.path.join(directory, f"{name}.so")):
             _logger.info("building physics_dp's fused CPU norm kernels into %s (once per machine)", directory)
-        load(name, [_SOURCE], extra_cflags=flags, build_directory=directory, is_python_module=False, verbose=False)
+        load(
+            name, [_SOURCE], extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=directory,
+            is_python_module=False, verbose=False,
+        )

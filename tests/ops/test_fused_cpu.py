@@ -25,7 +25,7 @@ pytestmark = needs_compiler
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    """The kernels serve one intra-op thread (one per rank); they are built first."""
+    """One intra-op thread (one per rank) unless a test says otherwise; the kernels are built first."""
     assert fused_cpu.build()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -291,8 +291,10 @@ def test_usable_only_where_the_kernels_apply() -> None:
     assert not fused_cpu.usable(x.bfloat16())
     assert not fused_cpu.usable(torch.randn(0, 6))
     assert not fused_cpu.usable(x, x.double())
+    assert fused_cpu.usable(x, serial_kernels=True)
     torch.set_num_threads(2)
-    assert not fused_cpu.usable(x)  # torch's parallel kernels serve several threads
+    assert fused_cpu.usable(x)  # the row-major passes split their work over the threads
+    assert not fused_cpu.usable(x, serial_kernels=True)  # torch's parallel kernels serve several threads
     torch.set_num_threads(1)
     previous = fused_cpu.set_enabled(False)
     try:
@@ -426,3 +428,55 @@ def test_ranks_building_at_once_share_one_build(tmp_path) -> None:
         assert process.returncode == 0 and out.split()[0] == "True", err
     libraries = list(tmp_path.glob("physics_dp_fused_norms_*/*.so"))
     assert len(libraries) == 1, libraries
+
+
+def _row_major_passes(threads: int) -> list[torch.Tensor]:
+    """Every row-major pass on inputs large enough to split over threads (see ``kParallelWork``)."""
+    torch.set_num_threads(threads)
+    generator = torch.Generator().manual_seed(0)
+    x3, g3 = (torch.randn(3, 8, 40000, generator=generator) * 3 + 2 for _ in range(2))
+    rows, grads = x3.view(24, -1), g3.view(24, -1)
+    a, b, c = (torch.randn(24, generator=generator) for _ in range(3))
+    mean = torch.randn(8, generator=generator)
+    return [
+        fused_cpu.norm_moments(x3, 4, True), fused_cpu.norm_moments(x3, 8, False),
+        fused_cpu.row_affine(rows, a, c), fused_cpu.two_term_affine(grads, rows, a, b, c),
+        fused_cpu.grad_sums(g3, x3, mean), fused_cpu.grad_sums(grads.view(1, 24, -1), rows.view(1, 24, -1), a),
+    ]
+
+
+def test_row_major_passes_give_the_same_result_on_any_number_of_threads() -> None:
+    """Each statistic, row or channel is computed whole by one thread: the same bits on 1, 2 and 3
+    threads (the first pass ran 1.6x faster on two threads than on one here)."""
+    assert fused_cpu.usable(torch.ones(1), serial_kernels=False)
+    one = _row_major_passes(1)
+    for threads in (2, 3):
+        for got, expected in zip(_row_major_passes(threads), one):
+            assert torch.equal(got, expected)
+
+
+def _sharded_norms_on_threads(threads: int) -> list[str]:
+    from physics_dp.testing.compare import assert_sharded_matches
+    from physics_dp.shard_tensor import Shard
+
+    torch.set_num_threads(threads)
+    try:
+        mesh, x = get_mesh((2,)), torch.randn(2, 8, 13, 6, generator=torch.Generator().manual_seed(1))
+        checked = []
+        for name, module in (
+            ("group", torch.nn.GroupNorm(4, 8)), ("batch", torch.nn.BatchNorm2d(8)), ("layer", torch.nn.LayerNorm([8, 13, 6])),
+        ):
+            with _Ops() as ops:
+                assert_sharded_matches(module, [x], mesh, [[Shard(2)]], sharding_sizes=[{0: [8, 5]}], atol=1e-5, rtol=1e-5)
+            checked.append(f"{name}: {'fused' if any(op.startswith('physics_dp::') for op in ops.names) else 'stock'}")
+        return checked
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_sharded_norms_on_ranks_with_two_threads_take_the_kernels_and_match_one_device() -> None:
+    """Group and batch norm and layer norm with its elementwise affine on ranks of two threads (layer
+    norm's weighted sums run on one thread: there its affine follows the normalization as a pass of
+    its own, as on the stock kernels)."""
+    for checked in run_on_ranks(2, _sharded_norms_on_threads, 2):
+        assert checked == ["group: fused", "batch: fused", "layer: fused"], checked

@@ -2,11 +2,14 @@
 // batch_norm_backward_elemt run on CUDA only), per-row passes faster than the stock kernels that
 // would serve instead (eval-mode batch norm, batch norm's backward reduction), and the arithmetic on
 // the few statistics between them (the merge over ranks, the coefficients of the passes), one call
-// each where it took some twenty small tensor ops per norm.  One thread, contiguous rows; built on
-// first use by physics_dp/ops/fused_cpu.py.
+// each where it took some twenty small tensor ops per norm.  Contiguous rows; built on first use by
+// physics_dp/ops/fused_cpu.py.  The row-major passes split their statistics or rows over torch's
+// intra-op threads (each computed whole by one thread, so the result does not depend on the thread
+// count); the channels-last ones and layer norm's weighted sums run on one thread.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -18,6 +21,10 @@
 namespace {
 
 constexpr int64_t kBlock = 2048;  // values summed in the rows' dtype before a float64 merge
+constexpr int64_t kParallelWork = 1 << 16;  // values a thread's share of a pass reads at least
+
+// How many of the items (statistics, rows, channels) of `values` values each one thread takes at least.
+int64_t grain(int64_t values) { return std::max<int64_t>(1, kParallelWork / std::max<int64_t>(values, 1)); }
 
 // Running moments of values about a shift: count, mean (relative to the shift) and the sum of
 // squared deviations.  Blocks of kBlock values are summed in the input's dtype about the shift (so
@@ -62,17 +69,19 @@ void norm_moments_kernel(const T* x, int64_t samples, int64_t channels, int64_t 
   const int64_t per_group = channels / groups, stats = per_sample ? samples * groups : channels;
   double* means = packed + 1;
   double* variances = packed + 1 + stats;
-  for (int64_t s = 0; s < stats; ++s) {
-    const T* first = x + (per_sample ? s * per_group : s) * length;  // (sample s / groups, group s % groups), or channel s
-    Moments m;
-    if (per_sample) {
-      add_run(first, per_group * length, first[0], m);
-    } else {
-      for (int64_t n = 0; n < samples; ++n) add_run(first + n * channels * length, length, first[0], m);
+  at::parallel_for(0, stats, grain(per_sample ? per_group * length : samples * length), [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      const T* first = x + (per_sample ? s * per_group : s) * length;  // (sample s / groups, group s % groups), or channel s
+      Moments m;
+      if (per_sample) {
+        add_run(first, per_group * length, first[0], m);
+      } else {
+        for (int64_t n = 0; n < samples; ++n) add_run(first + n * channels * length, length, first[0], m);
+      }
+      means[s] = m.mean + double(first[0]);
+      variances[s] = m.m2 / m.count;
     }
-    means[s] = m.mean + double(first[0]);
-    variances[s] = m.m2 / m.count;
-  }
+  });
   packed[0] = double(per_sample ? per_group * length : samples * length);
 }
 
@@ -101,40 +110,44 @@ void merge_moments_kernel(const double* gathered, int64_t ranks, int64_t stats, 
 template <typename T>
 void two_term_affine_kernel(
     const T* u, const T* v, const T* w, const T* a, const T* b, const T* c, int64_t rows, int64_t length, T* out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T ar = a[r], br = b[r], cr = c[r];
-    const T* ur = u + r * length;
-    const T* vr = v + r * length;
-    T* o = out + r * length;
-    if (w) {
+  at::parallel_for(0, rows, grain(length), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T ar = a[r], br = b[r], cr = c[r];
+      const T* ur = u + r * length;
+      const T* vr = v + r * length;
+      T* o = out + r * length;
+      if (w) {
 #pragma omp simd
-      for (int64_t j = 0; j < length; ++j) o[j] = ar * ur[j] * w[j] + br * vr[j] + cr;
-    } else {
+        for (int64_t j = 0; j < length; ++j) o[j] = ar * ur[j] * w[j] + br * vr[j] + cr;
+      } else {
 #pragma omp simd
-      for (int64_t j = 0; j < length; ++j) o[j] = ar * ur[j] + br * vr[j] + cr;
+        for (int64_t j = 0; j < length; ++j) o[j] = ar * ur[j] + br * vr[j] + cr;
+      }
     }
-  }
+  });
 }
 
 // out = a * x + c with (a, c) per row of the contiguous (rows, length) x; where w is not null,
 // (a * x + c) * w[j] + b[j] (layer norm's elementwise affine; b may be null).
 template <typename T>
 void row_affine_kernel(const T* x, const T* a, const T* c, const T* w, const T* b, int64_t rows, int64_t length, T* out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T ar = a[r], cr = c[r];
-    const T* xr = x + r * length;
-    T* o = out + r * length;
-    if (!w) {
+  at::parallel_for(0, rows, grain(length), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T ar = a[r], cr = c[r];
+      const T* xr = x + r * length;
+      T* o = out + r * length;
+      if (!w) {
 #pragma omp simd
-      for (int64_t j = 0; j < length; ++j) o[j] = ar * xr[j] + cr;
-    } else if (b) {
+        for (int64_t j = 0; j < length; ++j) o[j] = ar * xr[j] + cr;
+      } else if (b) {
 #pragma omp simd
-      for (int64_t j = 0; j < length; ++j) o[j] = (ar * xr[j] + cr) * w[j] + b[j];
-    } else {
+        for (int64_t j = 0; j < length; ++j) o[j] = (ar * xr[j] + cr) * w[j] + b[j];
+      } else {
 #pragma omp simd
-      for (int64_t j = 0; j < length; ++j) o[j] = (ar * xr[j] + cr) * w[j];
+        for (int64_t j = 0; j < length; ++j) o[j] = (ar * xr[j] + cr) * w[j];
+      }
     }
-  }
+  });
 }
 
 // Per channel c of the contiguous (samples, channels, length) g and x: the sums over samples and
@@ -142,27 +155,29 @@ void row_affine_kernel(const T* x, const T* a, const T* c, const T* w, const T* 
 template <typename T>
 void grad_sums_kernel(const T* g, const T* x, const T* mean, int64_t samples, int64_t channels, int64_t length,
                       double* sum_g, double* sum_g_centered) {
-  for (int64_t c = 0; c < channels; ++c) {
-    const T m = mean[c];
-    double total = 0, centered = 0;
-    for (int64_t n = 0; n < samples; ++n) {
-      const T* gr = g + (n * channels + c) * length;
-      const T* xr = x + (n * channels + c) * length;
-      for (int64_t start = 0; start < length; start += kBlock) {
-        const int64_t end = std::min(length, start + kBlock);
-        T block = 0, block_centered = 0;
+  at::parallel_for(0, channels, grain(samples * length), [&](int64_t begin, int64_t stop) {
+    for (int64_t c = begin; c < stop; ++c) {
+      const T m = mean[c];
+      double total = 0, centered = 0;
+      for (int64_t n = 0; n < samples; ++n) {
+        const T* gr = g + (n * channels + c) * length;
+        const T* xr = x + (n * channels + c) * length;
+        for (int64_t start = 0; start < length; start += kBlock) {
+          const int64_t end = std::min(length, start + kBlock);
+          T block = 0, block_centered = 0;
 #pragma omp simd reduction(+ : block, block_centered)
-        for (int64_t j = start; j < end; ++j) {
-          block += gr[j];
-          block_centered += gr[j] * (xr[j] - m);
+          for (int64_t j = start; j < end; ++j) {
+            block += gr[j];
+            block_centered += gr[j] * (xr[j] - m);
+          }
+          total += double(block);
+          centered += double(block_centered);
         }
-        total += double(block);
-        centered += double(block_centered);
       }
+      sum_g[c] = total;
+      sum_g_centered[c] = centered;
     }
-    sum_g[c] = total;
-    sum_g_centered[c] = centered;
-  }
+  });
 }
 
 // Per row r of the contiguous (rows, length) dy and x, with g = dy * w: the sums of g and of
