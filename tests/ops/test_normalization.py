@@ -586,7 +586,7 @@ def test_rows_cut_into_parts_give_the_same_norm(kind: str, parts: int, monkeypat
 
     cut, cuts = _forced_cutting(parts)
     monkeypatch.setattr(N, "row_parts", cut)
-    monkeypatch.setattr(fused_cpu, "usable", lambda *tensors: False)  # GPUs, which cut rows, run the stock kernels
+    monkeypatch.setattr(fused_cpu, "_enabled", False)  # GPUs, which cut rows, run the stock kernels
     generator = torch.Generator().manual_seed(parts)
     shape = (2, 4, 6, 5)  # every row length (30, 60, 120) divides by 2 and 3
     x = (3 + torch.randn(shape, generator=generator, dtype=torch.float64)).requires_grad_()
