@@ -28,7 +28,7 @@ from . import fused_cpu
 
 __all__ = [
     "exact_local_moments", "merge_moments", "merge_packed", "unpacked", "global_moments", "row_moments", "row_parts",
-    "channels_last_moments",
+    "channels_last_parts", "per_channel_moments",
     "LOW_PRECISION",
 ]
 
@@ -59,19 +59,25 @@ def row_moments(rows: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, 
     return normalized.view(p, q), mean.view(p), rstd.view(p)
 
 
-def channels_last_moments(tokens: torch.Tensor, per_sample: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def channels_last_parts(tokens: torch.Tensor, per_sample: bool) -> tuple[torch.Tensor, ...]:
+    """The (N, L, C) view of a channels-last slab as the (N, C, L, 1) views that torch's per-channel
+    batch-norm kernels read in their channels-last paths (a channels-last 4-D tensor, no copy): one
+    per sample where the statistics are per sample, else the whole batch."""
+    x4 = tokens.transpose(1, 2).unsqueeze(-1)
+    return x4.split(1) if per_sample else (x4,)
+
+
+def per_channel_moments(tokens: torch.Tensor, per_sample: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel (mean, biased variance) of the (N, L, C) view of a channels-last slab, float64,
     shaped (N, C) (per sample) or (1, C) (over the batch), read in place.
 
-    Viewed as (N, C, L, 1), the slab is a channels-last 4-D tensor, which torch's per-channel
-    batch-norm statistics take in their channels-last paths: no transposed copy of the slab (copying
-    it row-major for :func:`row_moments` costs several times the statistics themselves; ``var_mean``
-    over these dims, 15x the batch-norm kernel on a CPU thread).  Per sample, a sample at a time.
-    On the CPU the kernel also writes the slab normalized (there is no statistics-only kernel).
+    From torch's per-channel batch-norm statistics on :func:`channels_last_parts`: no transposed copy
+    of the slab (copying it row-major for :func:`row_moments` costs several times the statistics
+    themselves; ``var_mean`` over these dims, 15x the batch-norm kernel on a CPU thread).  On the
+    CPU the kernel also writes the slab normalized (there is no statistics-only kernel).
     """
-    x4 = tokens.transpose(1, 2).unsqueeze(-1)
     means, variances = [], []
-    for part in (x4.split(1) if per_sample else (x4,)):
+    for part in channels_last_parts(tokens, per_sample):
         if part.is_cuda and not is_tracing():
             mean, rstd = torch.batch_norm_stats(part, 0.0)
         else:

@@ -46,7 +46,9 @@ from ._local import (
     ShardedOpError, data_axes, groups_over, groups_spanning, local_input, local_param, sharded_axes, wrap_local_as,
 )
 from .grad_sums import SumGradOverGroups, creating_graph, sum_shares
-from .moments import LOW_PRECISION, channels_last_moments, merge_moments, merge_packed, row_moments, row_parts, unpacked
+from .moments import (
+    LOW_PRECISION, channels_last_parts, merge_moments, merge_packed, per_channel_moments, row_moments, row_parts, unpacked,
+)
 
 __all__: list[str] = []
 
@@ -82,7 +84,7 @@ class _StatLayout:
             zeros = torch.zeros(n if self.per_sample else 1, self.groups, dtype=torch.float64, device=x3.device)
             return count, zeros, zeros, None
         if self.channels_last:  # per channel, then each group's channels merged (equal counts), in float64
-            channel_mean, channel_var = channels_last_moments(x3, self.per_sample)
+            channel_mean, channel_var = per_channel_moments(x3, self.per_sample)
             per_group = (-1, self.groups, c // self.groups)
             spread, mean = torch.var_mean(channel_mean.view(per_group), -1, correction=0)
             return count, mean, spread.add_(channel_var.view(per_group).mean(-1)), None
@@ -147,7 +149,6 @@ def _work_gradient(ctx, grad: torch.Tensor) -> torch.Tensor:
     if ctx.layout.channels_last:
         grad = grad.permute(CHANNELS_LAST_ORDERS[grad.ndim])
     return grad.reshape(shape).to(dtype)
-
 
 
 @functools.lru_cache(maxsize=64)
@@ -263,14 +264,12 @@ def _channel_sums_channels_last(grad: torch.Tensor, tokens: torch.Tensor, mean: 
     """:func:`_row_sums` of the (N, L, C) views of channels-last slabs: per (sample, channel), or per channel over the
     batch, (2, N * C or C), float64.
 
-    Viewed as (N, C, L, 1), the tensors are channels-last 4-D ones, which torch's batch-norm
-    backward reduction reads in its channels-last path, a sample at a time where the statistics are
-    per sample: no transposed copy of either.  ``mean`` has a value per summed (sample,) channel.
+    From torch's batch-norm backward reduction on :func:`.moments.channels_last_parts` of both: no
+    transposed copy of either.  ``mean`` has a value per summed (sample,) channel.
     """
     channels = tokens.shape[2]
-    grad4, x4 = (t.transpose(1, 2).unsqueeze(-1) for t in (grad, tokens))
     _, ones, _ = _identity_stats(channels, tokens)
-    parts = zip(grad4.split(1), x4.split(1), mean.split(channels)) if per_sample else ((grad4, x4, mean),)
+    parts = zip(channels_last_parts(grad, per_sample), channels_last_parts(tokens, per_sample), mean.split(channels))
     sums = []
     for part_grad, part, part_mean in parts:
         _, sum_dy_xmu, sum_dy = torch.ops.aten.native_batch_norm_backward(
@@ -286,8 +285,8 @@ class _ChannelNorm(torch.autograd.Function):
     Forward: fused local moments, one all-gather of the float64 statistics per group, merged,
     then y = x * a + b in one pass (on the stock kernels, from the moments kernel's own output, in
     place: :func:`_rescaled`; for the (N, L, C) view of a channels-last slab, batch norm's
-    per-channel kernels and a broadcast pass over the slab's own memory).  Backward: the per-(sample, channel) sums of dy and dy * (x - mean)
-    (one fused pass), all-reduced in one message, give dx = a * dy + beta * x + gamma
+    per-channel kernels and a broadcast pass over the slab's own memory).  Backward: the
+    per-(sample, channel) sums of dy and dy * (x - mean) (one fused pass), all-reduced in one message, give dx = a * dy + beta * x + gamma
     (:func:`_dy_and_x_terms`) and the weight and bias gradients in closed form (already summed
     over the ranks that share the statistics).  Where :mod:`.fused_cpu` serves, each step is one
     of its kernels (:func:`_normalize_on_cpu_kernels`).
@@ -414,12 +413,9 @@ def _cpu_statistics(
     """(packed moments merged over the ranks, 1 / std, rows (scale, shift, mean) per (sample, channel))
     of an (N, C, L) slab, or of the (N, L, C) view of a channels-last one (``layout.channels_last``),
     from :mod:`.fused_cpu`'s kernels."""
-    if layout.channels_last:
-        n, _, channels = x3.shape
-        moments = fused_cpu.channels_last_moments(x3, layout.groups, layout.per_sample)
-    else:
-        n, channels, _ = x3.shape
-        moments = fused_cpu.norm_moments(x3, layout.groups, layout.per_sample)
+    n, channels, _ = layout.sizes(x3)
+    moments_of = fused_cpu.channels_last_moments if layout.channels_last else fused_cpu.norm_moments
+    moments = moments_of(x3, layout.groups, layout.per_sample)
     packed = merge_packed(moments, groups)
     coefficients, rstd = fused_cpu.norm_coefficients(
         packed, weight, bias, eps, (n, channels), layout.groups, layout.per_sample, x3.dtype
@@ -435,17 +431,15 @@ def _normalize_backward_on_cpu_kernels(
     :mod:`.fused_cpu`'s kernels: the sums of dy and dy * (x - mean) per (sample, channel),
     all-reduced, the coefficients, then dx in one pass."""
     coefficients = stats[2]
+    n, channels, length = layout.sizes(x3)
+    rows = (n * channels, length)
     if layout.channels_last:
-        n, _, channels = x3.shape
         mean = coefficients[2] if layout.per_sample else coefficients[2, :channels]
         sums = fused_cpu.channels_last_grad_sums(grad, x3, mean, layout.per_sample)
-    else:
-        n, channels, length = x3.shape
-        rows = (n * channels, length)
-        if layout.per_sample:  # statistics per (sample, channel): one row each
-            sums = fused_cpu.grad_sums(grad.view(1, *rows), x3.view(1, *rows), coefficients[2])
-        else:  # batch statistics: the kernel sums the rank's part of the batch too
-            sums = fused_cpu.grad_sums(grad, x3, coefficients[2, :channels])
+    elif layout.per_sample:  # statistics per (sample, channel): one row each
+        sums = fused_cpu.grad_sums(grad.view(1, *rows), x3.view(1, *rows), coefficients[2])
+    else:  # batch statistics: the kernel sums the rank's part of the batch too
+        sums = fused_cpu.grad_sums(grad, x3, coefficients[2, :channels])
     terms, param_grads = _grad_terms(sums, stats, weight, n, layout, groups, x3.dtype)
     grad_x = None
     if needs[0] and layout.channels_last:
