@@ -31,12 +31,11 @@ after the slab's passes): ``merge_moments`` (Chan's merge of the ranks' statisti
 ``norm_coefficients`` (the forward's scale and shift per channel) and ``norm_grad_coefficients``
 (the backward's, and the affine parameters' gradients).
 
-The row-major passes split their statistics or rows over torch's intra-op threads
-(``at::parallel_for``, built with OpenMP), each computed whole by one thread, so that a result does
-not depend on the thread count.  The channels-last kernels and layer norm's weighted sums run on
-one thread and serve only where torch runs one intra-op thread (torchrun's default for several
-processes on a host, and what ``docs/performance.md`` recommends); with more threads torch's
-parallel stock kernels take those paths.  The build (a C++ compiler and ninja, through
+Every pass splits its work over torch's intra-op threads (``at::parallel_for``, built with
+OpenMP) so that a result does not depend on the thread count: each statistic, row or channel is
+computed whole by one thread, or, where a sum runs across the rows (the channels-last passes, layer
+norm's weighted sums), each block of rows or values is summed by one thread and the blocks' sums
+add up in block order.  The build (a C++ compiler and ninja, through
 ``torch.utils.cpp_extension``) happens once per machine and source, into the torch extensions
 directory (``TORCH_EXTENSIONS_DIR``), under a lock the operating system releases if the builder
 dies.  If it fails, the norms keep torch's stock kernels and one warning says why.
@@ -78,15 +77,10 @@ def set_enabled(enabled: bool) -> bool:
     return previous
 
 
-def usable(*tensors: torch.Tensor, serial_kernels: bool = False) -> bool:
+def usable(*tensors: torch.Tensor) -> bool:
     """Whether the kernels serve these tensors: contiguous, of one dtype (float32 or float64), on
-    the CPU, eager, and the kernels built (here, on the first call that needs them).
-
-    The row-major passes split their work over torch's intra-op threads.  ``serial_kernels``: the
-    caller's path also takes kernels that run on one thread (the channels-last ones, layer norm's
-    weighted sums), which serve a one-thread process only: with several threads torch's parallel
-    stock kernels do."""
-    if not _enabled or is_tracing() or (serial_kernels and torch.get_num_threads() != 1):
+    the CPU, eager, and the kernels built (here, on the first call that needs them)."""
+    if not _enabled or is_tracing():
         return False
     first = tensors[0]
     if first.device.type != "cpu" or first.dtype not in _DTYPES or first.numel() == 0:

@@ -291,11 +291,11 @@ def test_usable_only_where_the_kernels_apply() -> None:
     assert not fused_cpu.usable(x.bfloat16())
     assert not fused_cpu.usable(torch.randn(0, 6))
     assert not fused_cpu.usable(x, x.double())
-    assert fused_cpu.usable(x, serial_kernels=True)
     torch.set_num_threads(2)
-    assert fused_cpu.usable(x)  # the row-major passes split their work over the threads
-    assert not fused_cpu.usable(x, serial_kernels=True)  # torch's parallel kernels serve several threads
-    torch.set_num_threads(1)
+    try:
+        assert fused_cpu.usable(x)  # every pass splits its work over the threads
+    finally:
+        torch.set_num_threads(1)
     previous = fused_cpu.set_enabled(False)
     try:
         assert not fused_cpu.usable(x)
@@ -430,29 +430,47 @@ def test_ranks_building_at_once_share_one_build(tmp_path) -> None:
     assert len(libraries) == 1, libraries
 
 
-def _row_major_passes(threads: int) -> list[torch.Tensor]:
-    """Every row-major pass on inputs large enough to split over threads (see ``kParallelWork``)."""
+def _every_pass(threads: int) -> list[torch.Tensor]:
+    """Every pass on inputs large enough to split over threads (see ``kParallelWork``), the
+    channels-last ones on a (samples, length, channels) slab of several blocks of rows."""
     torch.set_num_threads(threads)
     generator = torch.Generator().manual_seed(0)
     x3, g3 = (torch.randn(3, 8, 40000, generator=generator) * 3 + 2 for _ in range(2))
     rows, grads = x3.view(24, -1), g3.view(24, -1)
     a, b, c = (torch.randn(24, generator=generator) for _ in range(3))
     mean = torch.randn(8, generator=generator)
+    weight, bias = (torch.randn(40000 * 8, generator=generator) for _ in range(2))
+    layer_x, layer_dy = x3.view(3, -1), g3.view(3, -1)
+    layer_mean, layer_rstd = layer_x.mean(1), layer_x.var(1).rsqrt()
+    tokens, token_grads = x3.view(3, 40000, 8), g3.view(3, 40000, 8)  # channels innermost
+    per_channel = (torch.randn(24, generator=generator) for _ in range(3))
+    ca, cb, cc = per_channel
     return [
         fused_cpu.norm_moments(x3, 4, True), fused_cpu.norm_moments(x3, 8, False),
         fused_cpu.row_affine(rows, a, c), fused_cpu.two_term_affine(grads, rows, a, b, c),
         fused_cpu.grad_sums(g3, x3, mean), fused_cpu.grad_sums(grads.view(1, 24, -1), rows.view(1, 24, -1), a),
+        fused_cpu.row_affine_elementwise(layer_x, layer_mean, layer_rstd, weight, bias),
+        fused_cpu.two_term_affine_elementwise(layer_dy, layer_x, weight, layer_mean, layer_rstd, layer_mean),
+        *fused_cpu.weighted_grad_sums(layer_dy, layer_x, weight, layer_mean, layer_rstd, True),
+        fused_cpu.weighted_grad_sums(layer_dy, layer_x, weight, layer_mean, layer_rstd, False)[0],
+        fused_cpu.channels_last_moments(tokens, 4, True), fused_cpu.channels_last_moments(tokens, 8, False),
+        fused_cpu.channels_last_affine(tokens, ca, cc), fused_cpu.channels_last_two_term_affine(token_grads, tokens, ca, cb, cc),
+        fused_cpu.channels_last_grad_sums(token_grads, tokens, ca, True),
+        fused_cpu.channels_last_grad_sums(token_grads, tokens, mean, False),
     ]
 
 
-def test_row_major_passes_give_the_same_result_on_any_number_of_threads() -> None:
-    """Each statistic, row or channel is computed whole by one thread: the same bits on 1, 2 and 3
-    threads (the first pass ran 1.6x faster on two threads than on one here)."""
-    assert fused_cpu.usable(torch.ones(1), serial_kernels=False)
-    one = _row_major_passes(1)
-    for threads in (2, 3):
-        for got, expected in zip(_row_major_passes(threads), one):
-            assert torch.equal(got, expected)
+def test_every_pass_gives_the_same_result_on_any_number_of_threads() -> None:
+    """Each statistic, row or channel is computed whole by one thread, or each block of rows or
+    values summed by one and the blocks added in block order: the same bits on 1, 2 and 3 threads
+    (the row-major statistics ran 1.6x faster on two threads than on one here)."""
+    one = _every_pass(1)
+    try:
+        for threads in (2, 3):
+            for index, (got, expected) in enumerate(zip(_every_pass(threads), one)):
+                assert torch.equal(got, expected), (threads, index)
+    finally:
+        torch.set_num_threads(1)
 
 
 def _sharded_norms_on_threads(threads: int) -> list[str]:
@@ -463,20 +481,30 @@ def _sharded_norms_on_threads(threads: int) -> list[str]:
     try:
         mesh, x = get_mesh((2,)), torch.randn(2, 8, 13, 6, generator=torch.Generator().manual_seed(1))
         checked = []
-        for name, module in (
-            ("group", torch.nn.GroupNorm(4, 8)), ("batch", torch.nn.BatchNorm2d(8)), ("layer", torch.nn.LayerNorm([8, 13, 6])),
+        for name, module, layout in (
+            ("group", torch.nn.GroupNorm(4, 8), torch.contiguous_format),
+            ("batch", torch.nn.BatchNorm2d(8), torch.contiguous_format),
+            ("layer", torch.nn.LayerNorm([8, 13, 6]), torch.contiguous_format),
+            ("channels-last group", torch.nn.GroupNorm(4, 8), torch.channels_last),
+            ("channels-last batch", torch.nn.BatchNorm2d(8), torch.channels_last),
         ):
             with _Ops() as ops:
-                assert_sharded_matches(module, [x], mesh, [[Shard(2)]], sharding_sizes=[{0: [8, 5]}], atol=1e-5, rtol=1e-5)
-            checked.append(f"{name}: {'fused' if any(op.startswith('physics_dp::') for op in ops.names) else 'stock'}")
+                assert_sharded_matches(
+                    module, [x.contiguous(memory_format=layout)], mesh, [[Shard(2)]], sharding_sizes=[{0: [8, 5]}],
+                    atol=1e-5, rtol=1e-5,
+                )
+            fused = any(op.startswith("physics_dp::") for op in ops.names) and "aten::addcmul" not in ops.names
+            checked.append(f"{name}: {'fused' if fused else 'stock'}")
         return checked
     finally:
         torch.set_num_threads(1)
 
 
 def test_sharded_norms_on_ranks_with_two_threads_take_the_kernels_and_match_one_device() -> None:
-    """Group and batch norm and layer norm with its elementwise affine on ranks of two threads (layer
-    norm's weighted sums run on one thread: there its affine follows the normalization as a pass of
-    its own, as on the stock kernels)."""
+    """Group and batch norm in both layouts and layer norm with its elementwise affine (applied in
+    the kernels' passes, no separate ``addcmul``) on ranks of two threads.  Channels last and layer
+    norm's affine used to take torch's stock kernels there (their sums ran on one thread)."""
     for checked in run_on_ranks(2, _sharded_norms_on_threads, 2):
-        assert checked == ["group: fused", "batch: fused", "layer: fused"], checked
+        assert checked == [
+            "group: fused", "batch: fused", "layer: fused", "channels-last group: fused", "channels-last batch: fused",
+        ], checked

@@ -97,7 +97,7 @@ _NORM_CASES = ("group norm", "instance norm (affine)", "batch norm", "norm, silu
 
 @pytest.mark.parametrize("layout", ["2", "3", "4", "2x2-HxW"])
 def test_channels_last_norms_on_stock_kernels_match_one_device(layout):
-    """The norms' path on a GPU, a CPU rank with several threads or without a compiler: the stock
+    """The norms' path on a GPU, a CPU rank without a compiler or in a torch.compile trace: the stock
     kernels' channels-last paths read the slab in place (see the copy count below)."""
     assert all(run_on_ranks(world_of(layout), on_stock_kernels, _all_cases, layout, _NORM_CASES))
 
@@ -192,7 +192,7 @@ def test_channels_last_makes_no_more_slab_copies_than_row_major():
 
 
 def test_channels_last_norms_on_stock_kernels_copy_no_slab():
-    """On the stock kernels (a GPU, a CPU rank with several threads), a channels-last group norm reads
+    """On the stock kernels (a GPU, a CPU rank without a compiler), a channels-last group norm reads
     and writes its slab in place as the fused kernels do: it used to copy the slab row-major for its
     statistics, its output back to channels last, and its gradient both ways (6x the fused path's
     time for (1, 64, 256, 256) on 2 ranks)."""

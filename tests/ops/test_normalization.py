@@ -205,7 +205,7 @@ def test_normalization_matches_single_device(layout: str, family: str) -> None:
 
 
 def on_stock_kernels(check: Callable[..., Any], *args) -> Any:
-    """``check`` with the fused CPU kernels off: the path of a CPU rank with several threads or no compiler."""
+    """``check`` with the fused CPU kernels off: the path of a GPU, or of a CPU rank without a compiler."""
     previous = fused_cpu.set_enabled(False)
     try:
         return check(*args)

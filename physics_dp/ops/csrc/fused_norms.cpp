@@ -3,9 +3,10 @@
 // would serve instead (eval-mode batch norm, batch norm's backward reduction), and the arithmetic on
 // the few statistics between them (the merge over ranks, the coefficients of the passes), one call
 // each where it took some twenty small tensor ops per norm.  Contiguous rows; built on first use by
-// physics_dp/ops/fused_cpu.py.  The row-major passes split their statistics or rows over torch's
-// intra-op threads (each computed whole by one thread, so the result does not depend on the thread
-// count); the channels-last ones and layer norm's weighted sums run on one thread.
+// physics_dp/ops/fused_cpu.py.  Every pass splits its work over torch's intra-op threads so that
+// the result does not depend on the thread count: each statistic, row or channel is computed whole
+// by one thread, or (where a sum runs across rows: the channels-last passes, layer norm's weighted
+// sums) each block of rows or values is summed on its own and the blocks merge in block order.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -184,43 +185,67 @@ void grad_sums_kernel(const T* g, const T* x, const T* mean, int64_t samples, in
 // g * (x - mean[r]) in float64 (blocks of kBlock summed in the inputs' dtype); where grad_w is not
 // null also, per value j, the affine parameters' gradients summed over the rows: grad_w[j] of
 // dy * (x - mean[r]) * rstd[r], grad_b[j] of dy.  Blocks run over j outermost, so each block of the
-// parameters' gradients stays in cache while every row adds to it: one pass over dy and x.
+// parameters' gradients stays in cache while every row adds to it: one pass over dy and x.  The
+// blocks split over the threads (each owns its values' parameter gradients); a row's sums over the
+// blocks add up afterwards in block order.
+// One block [start, end) of values of weighted_grad_sums_kernel: each row's sums over it into
+// partial_g[r] and partial_centered[r], and its values' parameter gradients (where grad_w is not null).
+template <typename T>
+void weighted_block_sums(const T* dy, const T* x, const T* w, const T* mean, const T* rstd, int64_t rows,
+                         int64_t length, int64_t start, int64_t end, double* partial_g, double* partial_centered,
+                         T* grad_w, T* grad_b) {
+  if (grad_w) {
+    std::fill(grad_w + start, grad_w + end, T(0));
+    std::fill(grad_b + start, grad_b + end, T(0));
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const T m = mean[r], s = rstd[r];
+    const T* dr = dy + r * length;
+    const T* xr = x + r * length;
+    T block = 0, block_centered = 0;
+    if (grad_w) {
+#pragma omp simd reduction(+ : block, block_centered)
+      for (int64_t j = start; j < end; ++j) {
+        const T centered = xr[j] - m, g = dr[j] * w[j];
+        block += g;
+        block_centered += g * centered;
+        grad_w[j] += dr[j] * centered * s;
+        grad_b[j] += dr[j];
+      }
+    } else {
+#pragma omp simd reduction(+ : block, block_centered)
+      for (int64_t j = start; j < end; ++j) {
+        const T g = dr[j] * w[j];
+        block += g;
+        block_centered += g * (xr[j] - m);
+      }
+    }
+    partial_g[r] = double(block);
+    partial_centered[r] = double(block_centered);
+  }
+}
+
 template <typename T>
 void weighted_grad_sums_kernel(const T* dy, const T* x, const T* w, const T* mean, const T* rstd, int64_t rows,
                                int64_t length, double* sum_g, double* sum_g_centered, T* grad_w, T* grad_b) {
-  std::fill(sum_g, sum_g + rows, 0.0);
-  std::fill(sum_g_centered, sum_g_centered + rows, 0.0);
-  if (grad_w) {
-    std::fill(grad_w, grad_w + length, T(0));
-    std::fill(grad_b, grad_b + length, T(0));
-  }
-  for (int64_t start = 0; start < length; start += kBlock) {
-    const int64_t end = std::min(length, start + kBlock);
-    for (int64_t r = 0; r < rows; ++r) {
-      const T m = mean[r], s = rstd[r];
-      const T* dr = dy + r * length;
-      const T* xr = x + r * length;
-      T block = 0, block_centered = 0;
-      if (grad_w) {
-#pragma omp simd reduction(+ : block, block_centered)
-        for (int64_t j = start; j < end; ++j) {
-          const T centered = xr[j] - m, g = dr[j] * w[j];
-          block += g;
-          block_centered += g * centered;
-          grad_w[j] += dr[j] * centered * s;
-          grad_b[j] += dr[j];
-        }
-      } else {
-#pragma omp simd reduction(+ : block, block_centered)
-        for (int64_t j = start; j < end; ++j) {
-          const T g = dr[j] * w[j];
-          block += g;
-          block_centered += g * (xr[j] - m);
-        }
-      }
-      sum_g[r] += double(block);
-      sum_g_centered[r] += double(block_centered);
+  const int64_t blocks = (length + kBlock - 1) / kBlock;
+  std::vector<double> partial(2 * blocks * rows);  // per (block, row): its sums, merged in block order below
+  double* partial_g = partial.data();
+  double* partial_centered = partial_g + blocks * rows;
+  at::parallel_for(0, blocks, grain(rows * kBlock), [&](int64_t first_block, int64_t last_block) {
+    for (int64_t k = first_block; k < last_block; ++k) {
+      weighted_block_sums(dy, x, w, mean, rstd, rows, length, k * kBlock, std::min(length, (k + 1) * kBlock),
+                          partial_g + k * rows, partial_centered + k * rows, grad_w, grad_b);
     }
+  });
+  for (int64_t r = 0; r < rows; ++r) {
+    double total = 0, centered = 0;
+    for (int64_t k = 0; k < blocks; ++k) {
+      total += partial_g[k * rows + r];
+      centered += partial_centered[k * rows + r];
+    }
+    sum_g[r] = total;
+    sum_g_centered[r] = centered;
   }
 }
 
@@ -239,37 +264,36 @@ std::vector<T> repeated(const T* per_channel, int64_t channels, int64_t rows) {
   return out;
 }
 
-// Goes over the rows [0, length) in blocks of about kBlock rows: within a block, four(first_row) for
-// each run of four whole chunks of chunk_rows rows (four chunks added to the accumulators in one
-// pass: a quarter of their loads and stores), then chunk(first_row, rows) for each chunk left;
-// block(start, end) after each block (the accumulators folded there).
-template <typename Four, typename Chunk, typename Block>
-void over_row_blocks(int64_t length, int64_t chunk_rows, Four four, Chunk chunk, Block block) {
-  const int64_t block_rows = std::max(chunk_rows, kBlock / chunk_rows * chunk_rows);
-  for (int64_t start = 0; start < length; start += block_rows) {
-    const int64_t end = std::min(length, start + block_rows);
-    int64_t l = start;
-    for (; l + 4 * chunk_rows <= end; l += 4 * chunk_rows) four(l);
-    for (; l < end; l += chunk_rows) chunk(l, std::min(chunk_rows, end - l));
-    block(start, end);
-  }
+// Rows per block of the channels-last passes' sums: about kBlock, whole chunks.
+int64_t rows_per_block(int64_t chunk_rows) { return std::max(chunk_rows, kBlock / chunk_rows * chunk_rows); }
+
+int64_t blocks_of(int64_t length, int64_t block_rows) { return (length + block_rows - 1) / block_rows; }
+
+// Goes over the rows [start, end) of one block: four(first_row) for each run of four whole chunks of
+// chunk_rows rows (four chunks added to the accumulators in one pass: a quarter of their loads and
+// stores), then chunk(first_row, rows) for each chunk left.
+template <typename Four, typename Chunk>
+void over_block_rows(int64_t start, int64_t end, int64_t chunk_rows, Four four, Chunk chunk) {
+  int64_t l = start;
+  for (; l + 4 * chunk_rows <= end; l += 4 * chunk_rows) four(l);
+  for (; l < end; l += chunk_rows) chunk(l, std::min(chunk_rows, end - l));
 }
 
 // The statistics of a channels-last slab, packed as norm_moments_kernel's are: per (sample, group) over
 // the rows and the group's channels, or per channel over every sample.  Each channel is summed in
-// blocks of about kBlock rows in x's dtype about its first value, the blocks merged per channel in
-// float64 (Chan), then a statistic's channels.
+// blocks of about kBlock rows in x's dtype about its first value (the blocks split over the threads),
+// the blocks merged per channel in float64 (Chan) in block order, then a statistic's channels.
 template <typename T>
 void channels_last_moments_kernel(const T* x, int64_t samples, int64_t length, int64_t channels, int64_t groups,
                                   bool per_sample, double* packed) {
   const int64_t per_group = channels / groups, stats = per_sample ? samples * groups : channels;
   const int64_t chunk_rows = rows_per_chunk(channels), width = chunk_rows * channels;
+  const int64_t block_rows = rows_per_block(chunk_rows), blocks = blocks_of(length, block_rows);
   double* means = packed + 1;
   double* variances = packed + 1 + stats;
   std::vector<Moments> moments(channels);
-  std::vector<T> shift = repeated(x, channels, chunk_rows), sum(width, T(0)), squares(width, T(0));
-  T* s = sum.data();
-  T* q = squares.data();
+  std::vector<double> block_sums(blocks * channels), block_squares(blocks * channels);  // per (block, channel)
+  std::vector<T> shift = repeated(x, channels, chunk_rows);
   for (int64_t n = 0; n < samples; ++n) {
     const T* xs = x + n * length * channels;
     if (per_sample && n > 0) {
@@ -277,41 +301,51 @@ void channels_last_moments_kernel(const T* x, int64_t samples, int64_t length, i
       shift = repeated(xs, channels, chunk_rows);
     }
     const T* h = shift.data();
-    auto four = [&](int64_t first) {
-      const T* v0 = xs + first * channels;
-      const T* v1 = v0 + width;
-      const T* v2 = v1 + width;
-      const T* v3 = v2 + width;
+    at::parallel_for(0, blocks, grain(block_rows * channels), [&](int64_t first_block, int64_t last_block) {
+      std::vector<T> sum(width), squares(width);
+      T* s = sum.data();
+      T* q = squares.data();
+      auto four = [&](int64_t first) {
+        const T* v0 = xs + first * channels;
+        const T* v1 = v0 + width;
+        const T* v2 = v1 + width;
+        const T* v3 = v2 + width;
 #pragma omp simd
-      for (int64_t j = 0; j < width; ++j) {
-        const T d0 = v0[j] - h[j], d1 = v1[j] - h[j], d2 = v2[j] - h[j], d3 = v3[j] - h[j];
-        s[j] += (d0 + d1) + (d2 + d3);
-        q[j] += (d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3);
-      }
-    };
-    auto chunk = [&](int64_t first, int64_t rows) {
-      const T* values = xs + first * channels;
-      const int64_t count = rows * channels;
-#pragma omp simd
-      for (int64_t j = 0; j < count; ++j) {
-        const T d = values[j] - h[j];
-        s[j] += d;
-        q[j] += d * d;
-      }
-    };
-    auto block = [&](int64_t start, int64_t end) {  // each channel's block sums merged into its moments
-      for (int64_t c = 0; c < channels; ++c) {
-        T channel_sum = 0, channel_squares = 0;
-        for (int64_t r = 0; r < chunk_rows; ++r) {
-          channel_sum += s[r * channels + c];
-          channel_squares += q[r * channels + c];
+        for (int64_t j = 0; j < width; ++j) {
+          const T d0 = v0[j] - h[j], d1 = v1[j] - h[j], d2 = v2[j] - h[j], d3 = v3[j] - h[j];
+          s[j] += (d0 + d1) + (d2 + d3);
+          q[j] += (d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3);
         }
-        add_block(moments[c], double(end - start), double(channel_sum), double(channel_squares));
+      };
+      auto chunk = [&](int64_t first, int64_t rows) {
+        const T* values = xs + first * channels;
+        const int64_t count = rows * channels;
+#pragma omp simd
+        for (int64_t j = 0; j < count; ++j) {
+          const T d = values[j] - h[j];
+          s[j] += d;
+          q[j] += d * d;
+        }
+      };
+      for (int64_t k = first_block; k < last_block; ++k) {
+        std::fill(sum.begin(), sum.end(), T(0));
+        std::fill(squares.begin(), squares.end(), T(0));
+        over_block_rows(k * block_rows, std::min(length, (k + 1) * block_rows), chunk_rows, four, chunk);
+        for (int64_t c = 0; c < channels; ++c) {  // the block's sums per channel
+          T channel_sum = 0, channel_squares = 0;
+          for (int64_t r = 0; r < chunk_rows; ++r) {
+            channel_sum += s[r * channels + c];
+            channel_squares += q[r * channels + c];
+          }
+          block_sums[k * channels + c] = double(channel_sum);
+          block_squares[k * channels + c] = double(channel_squares);
+        }
       }
-      std::fill(sum.begin(), sum.end(), T(0));
-      std::fill(squares.begin(), squares.end(), T(0));
-    };
-    over_row_blocks(length, chunk_rows, four, chunk, block);
+    });
+    for (int64_t k = 0; k < blocks; ++k) {  // merged in block order: the same on any number of threads
+      const double rows = double(std::min(length, (k + 1) * block_rows) - k * block_rows);
+      for (int64_t c = 0; c < channels; ++c) add_block(moments[c], rows, block_sums[k * channels + c], block_squares[k * channels + c]);
+    }
     if (!per_sample) continue;
     for (int64_t g = 0; g < groups; ++g) {  // the group's channels, equal counts: their mean, and m2 about it
       double mean = 0, m2 = 0;
@@ -339,7 +373,7 @@ void channels_last_moments_kernel(const T* x, int64_t samples, int64_t length, i
 template <typename T>
 void channels_last_affine_kernel(const T* u, const T* v, const T* a, const T* b, const T* c, int64_t samples,
                                  int64_t length, int64_t channels, T* out) {
-  const int64_t chunk_rows = rows_per_chunk(channels);
+  const int64_t chunk_rows = rows_per_chunk(channels), chunks = blocks_of(length, chunk_rows);
   for (int64_t n = 0; n < samples; ++n) {
     const std::vector<T> ar = repeated(a + n * channels, channels, chunk_rows);
     const std::vector<T> cr = repeated(c + n * channels, channels, chunk_rows);
@@ -347,70 +381,87 @@ void channels_last_affine_kernel(const T* u, const T* v, const T* a, const T* b,
     const T* an = ar.data();
     const T* bn = br.data();
     const T* cn = cr.data();
-    for (int64_t l = 0; l < length; l += chunk_rows) {
-      const int64_t offset = (n * length + l) * channels, count = std::min(chunk_rows, length - l) * channels;
-      const T* uc = u + offset;
-      T* o = out + offset;
-      if (v) {
-        const T* vc = v + offset;
+    at::parallel_for(0, chunks, grain(chunk_rows * channels), [&](int64_t first_chunk, int64_t last_chunk) {
+      for (int64_t k = first_chunk; k < last_chunk; ++k) {
+        const int64_t l = k * chunk_rows;
+        const int64_t offset = (n * length + l) * channels, count = std::min(chunk_rows, length - l) * channels;
+        const T* uc = u + offset;
+        T* o = out + offset;
+        if (v) {
+          const T* vc = v + offset;
 #pragma omp simd
-        for (int64_t j = 0; j < count; ++j) o[j] = an[j] * uc[j] + bn[j] * vc[j] + cn[j];
-      } else {
+          for (int64_t j = 0; j < count; ++j) o[j] = an[j] * uc[j] + bn[j] * vc[j] + cn[j];
+        } else {
 #pragma omp simd
-        for (int64_t j = 0; j < count; ++j) o[j] = an[j] * uc[j] + cn[j];
+          for (int64_t j = 0; j < count; ++j) o[j] = an[j] * uc[j] + cn[j];
+        }
       }
-    }
+    });
   }
 }
 
 // The sums of g and of g * (x - mean) over the rows of the channels-last (samples, length, channels) g
 // and x, per (sample, channel) with mean per (sample, channel), or per channel over every sample with
-// mean per channel; in float64, blocks of about kBlock rows summed in the inputs' dtype.
+// mean per channel; in float64, blocks of about kBlock rows summed in the inputs' dtype (the blocks
+// split over the threads), added up in block order.
 template <typename T>
 void channels_last_grad_sums_kernel(const T* g, const T* x, const T* mean, int64_t samples, int64_t length,
                                     int64_t channels, bool per_sample, double* sum_g, double* sum_g_centered) {
   const int64_t stats = per_sample ? samples * channels : channels;
   const int64_t chunk_rows = rows_per_chunk(channels), width = chunk_rows * channels;
+  const int64_t block_rows = rows_per_block(chunk_rows), blocks = blocks_of(length, block_rows);
   std::fill(sum_g, sum_g + stats, 0.0);
   std::fill(sum_g_centered, sum_g_centered + stats, 0.0);
-  std::vector<T> block_sums(width, T(0)), block_centered(width, T(0));
-  T* s = block_sums.data();
-  T* sc = block_centered.data();
+  std::vector<double> block_g(blocks * channels), block_centered(blocks * channels);  // per (block, channel)
   for (int64_t n = 0; n < samples; ++n) {
     const int64_t first = per_sample ? n * channels : 0;
     const std::vector<T> mr = repeated(mean + first, channels, chunk_rows);
     const T* m = mr.data();
-    auto four = [&](int64_t row) {
-      const T* g0 = g + (n * length + row) * channels;
-      const T* x0 = x + (n * length + row) * channels;
+    at::parallel_for(0, blocks, grain(block_rows * channels), [&](int64_t first_block, int64_t last_block) {
+      std::vector<T> sums(width), centered_sums(width);
+      T* s = sums.data();
+      T* sc = centered_sums.data();
+      auto four = [&](int64_t row) {
+        const T* g0 = g + (n * length + row) * channels;
+        const T* x0 = x + (n * length + row) * channels;
 #pragma omp simd
-      for (int64_t j = 0; j < width; ++j) {
-        const T a = g0[j], b = g0[j + width], c = g0[j + 2 * width], d = g0[j + 3 * width];
-        s[j] += (a + b) + (c + d);
-        sc[j] += (a * (x0[j] - m[j]) + b * (x0[j + width] - m[j])) + (c * (x0[j + 2 * width] - m[j]) + d * (x0[j + 3 * width] - m[j]));
-      }
-    };
-    auto chunk = [&](int64_t row, int64_t rows) {
-      const T* gc = g + (n * length + row) * channels;
-      const T* xc = x + (n * length + row) * channels;
-      const int64_t count = rows * channels;
+        for (int64_t j = 0; j < width; ++j) {
+          const T a = g0[j], b = g0[j + width], c = g0[j + 2 * width], d = g0[j + 3 * width];
+          s[j] += (a + b) + (c + d);
+          sc[j] += (a * (x0[j] - m[j]) + b * (x0[j + width] - m[j])) + (c * (x0[j + 2 * width] - m[j]) + d * (x0[j + 3 * width] - m[j]));
+        }
+      };
+      auto chunk = [&](int64_t row, int64_t rows) {
+        const T* gc = g + (n * length + row) * channels;
+        const T* xc = x + (n * length + row) * channels;
+        const int64_t count = rows * channels;
 #pragma omp simd
-      for (int64_t j = 0; j < count; ++j) {
-        s[j] += gc[j];
-        sc[j] += gc[j] * (xc[j] - m[j]);
-      }
-    };
-    auto block = [&](int64_t, int64_t) {  // the block's sums into float64, per channel
-      for (int64_t r = 0; r < chunk_rows; ++r) {
-        for (int64_t k = 0; k < channels; ++k) {
-          sum_g[first + k] += double(s[r * channels + k]);
-          sum_g_centered[first + k] += double(sc[r * channels + k]);
+        for (int64_t j = 0; j < count; ++j) {
+          s[j] += gc[j];
+          sc[j] += gc[j] * (xc[j] - m[j]);
+        }
+      };
+      for (int64_t k = first_block; k < last_block; ++k) {
+        std::fill(sums.begin(), sums.end(), T(0));
+        std::fill(centered_sums.begin(), centered_sums.end(), T(0));
+        over_block_rows(k * block_rows, std::min(length, (k + 1) * block_rows), chunk_rows, four, chunk);
+        for (int64_t c = 0; c < channels; ++c) {  // the block's sums per channel, in float64
+          double channel_g = 0, channel_centered = 0;
+          for (int64_t r = 0; r < chunk_rows; ++r) {
+            channel_g += double(s[r * channels + c]);
+            channel_centered += double(sc[r * channels + c]);
+          }
+          block_g[k * channels + c] = channel_g;
+          block_centered[k * channels + c] = channel_centered;
         }
       }
-      std::fill(block_sums.begin(), block_sums.end(), T(0));
-      std::fill(block_centered.begin(), block_centered.end(), T(0));
-    };
-    over_row_blocks(length, chunk_rows, four, chunk, block);
+    });
+    for (int64_t k = 0; k < blocks; ++k) {  // added up in block order: the same on any number of threads
+      for (int64_t c = 0; c < channels; ++c) {
+        sum_g[first + c] += block_g[k * channels + c];
+        sum_g_centered[first + c] += block_centered[k * channels + c];
+      }
+    }
   }
 }
 
