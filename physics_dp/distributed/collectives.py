@@ -34,6 +34,7 @@ __all__ = [
     "reduce_op_for",
     "barrier",
     "gather_sizes",
+    "group_rank",
     "broadcast",
     "exchange_with_neighbours",
     "start_exchange",
@@ -90,8 +91,15 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _group_size(group: ProcessGroup) -> int:
-    return dist.get_world_size(group)
+def _group_size(group: ProcessGroup | None) -> int:
+    return dist.get_world_size() if group is None else group.size()
+
+
+def group_rank(group: ProcessGroup | None) -> int:
+    """This process's rank in ``group`` (None: the world), read off the group itself: every halo
+    exchange asks, and ``group_rank(group)`` takes eight Python calls to check membership
+    (every group physics_dp passes is one of this process's mesh groups)."""
+    return dist.get_rank() if group is None else group.rank()
 
 
 def all_to_all_chunks(
@@ -119,7 +127,7 @@ def all_to_all_into(send: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], 
     afterwards; pieces on both sides may have any strides.  Between ranks of one host the pieces go
     through shared memory, straight from ``send`` into ``outs``.
     """
-    me = dist.get_rank(group)
+    me = group_rank(group)
     ref = send[0]
     in_splits = [t.numel() for t in send]
     if is_tracing():
@@ -297,7 +305,7 @@ def broadcast(tensor: torch.Tensor, src_group_rank: int, group: ProcessGroup) ->
     if is_tracing():
         with kept_in_backward():
             return funcol.broadcast(tensor, src_group_rank, group)
-    if dist.get_rank(group) == src_group_rank:
+    if group_rank(group) == src_group_rank:
         _record("broadcast", _nbytes(tensor) * (_group_size(group) - 1))
     dist.broadcast(tensor, group_src=src_group_rank, group=group)
     return tensor

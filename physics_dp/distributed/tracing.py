@@ -21,13 +21,27 @@ from torch.utils._python_dispatch import _disable_current_modes
 __all__ = ["is_tracing", "kept_in_backward", "outside_trace", "graph_constant"]
 
 
+# Every dispatch mode (fake, proxy, a user's) turns the Python key on in the thread's dispatch state,
+# a pre-dispatch proxy the PreDispatch key, a Python dispatcher its own.
+_key_included = torch._C._dispatch_tls_is_dispatch_key_included
+_PYTHON, _PRE_DISPATCH, _PYTHON_DISPATCHER = (
+    torch._C.DispatchKey.Python, torch._C.DispatchKey.PreDispatch, torch._C.DispatchKey.PythonDispatcher,
+)
+
+
 def is_tracing() -> bool:
-    """True under Dynamo, under a fake-tensor mode, or under a proxy (``make_fx``/AOTAutograd) trace."""
+    """True under Dynamo, under a fake-tensor mode, or under a proxy (``make_fx``/AOTAutograd) trace.
+
+    Eager code with no dispatch mode active (every op of an eager step asks, several times) is
+    told so by three lookups of the dispatch state, without the proxy-mode search (eight Python
+    calls)."""
     if torch.compiler.is_compiling():
         return True
+    if not (_key_included(_PYTHON) or _key_included(_PRE_DISPATCH) or _key_included(_PYTHON_DISPATCHER)):
+        return False
     if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
         return True
-    if torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PythonDispatcher):
+    if _key_included(_PYTHON_DISPATCHER):
         return True
     return get_proxy_mode() is not None
 

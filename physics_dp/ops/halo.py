@@ -22,7 +22,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
@@ -246,7 +245,7 @@ def start_edge_exchange(
 
     Every rank passes counts that mirror its neighbours' (they come from one shared geometry).
     """
-    me = dist.get_rank(group)
+    me = collectives.group_rank(group)
     sends, recv_shapes = {}, {}
     for peer, piece, count in ((me - 1, to_prev, from_prev), (me + 1, to_next, from_next)):
         if piece is not None and piece.shape[dim]:
@@ -268,7 +267,7 @@ def exchange_boundary_rows(
 def received_rows(pending: collectives.PendingExchange, group: ProcessGroup) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(rows from the previous rank, rows from the next rank), None where none were expected."""
     received = pending.wait()
-    me = dist.get_rank(group)
+    me = collectives.group_rank(group)
     return received.get(me - 1), received.get(me + 1)
 
 
@@ -411,7 +410,7 @@ def gather_window(
     knows what its peers take from it.  ``group=None`` means a dim held whole (one rank): the
     edge mode is then applied locally, without communication.
     """
-    me = dist.get_rank(group) if group is not None else 0
+    me = collectives.group_rank(group) if group is not None else 0
     if local.shape[dim] != sizes[me]:
         raise ValueError(f"slab extent {local.shape[dim]} along dim {dim} disagrees with the split {tuple(sizes)}")
     plan = plan_window(tuple(int(s) for s in sizes), tuple((int(lo), int(hi)) for lo, hi in windows), me, mode)
@@ -425,7 +424,7 @@ def scatter_window(
     dim ``dim``, each sent to the rank that owns its row under ``sizes`` and added there; rows
     beyond ``[0, extent)`` are dropped.  Returns this rank's slab.  Differentiable (its backward
     is the gather), so ops that spread values over neighbouring rows (``F.fold``) use it forward."""
-    me = dist.get_rank(group) if group is not None else 0
+    me = collectives.group_rank(group) if group is not None else 0
     lo, hi = windows[me]
     if window.shape[dim] != hi - lo:
         raise ValueError(f"window extent {window.shape[dim]} along dim {dim} disagrees with its rows [{lo}, {hi})")

@@ -1,4 +1,5 @@
-"""tracing.kept_in_backward: every rank's compiled graphs hold the same collectives in the same order.
+"""tracing: ``is_tracing`` under each kind of trace; ``kept_in_backward``: every rank's compiled
+graphs hold the same collectives in the same order.
 
 A rank whose output piece is empty has a backward that depends on no tangent data once inductor's
 decompositions and joint-graph passes fold its empty tensors into constants.  Without the tag,
@@ -12,11 +13,41 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from physics_dp.distributed.tracing import is_tracing
 from physics_dp.shard_tensor import Shard, distribute_tensor
 from physics_dp.testing import get_mesh, run_on_ranks
 
 pytestmark = pytest.mark.usefixtures("fresh_rank_processes")
+
+
+class _Passthrough(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        return func(*args, **(kwargs or {}))
+
+
+def test_is_tracing_under_each_kind_of_trace_and_not_eagerly() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    seen = []
+
+    def record(x: torch.Tensor) -> torch.Tensor:
+        seen.append(is_tracing())
+        return x + 1
+
+    assert not is_tracing()
+    with FakeTensorMode():
+        assert is_tracing()
+    make_fx(record)(torch.ones(2))
+    make_fx(record, pre_dispatch=True)(torch.ones(2))
+    make_fx(record, tracing_mode="fake")(torch.ones(2))
+    torch.compile(record, backend="eager", fullgraph=True)(torch.ones(2))
+    assert seen == [True, True, True, True]
+    with _Passthrough():  # a dispatch mode that traces nothing (a profiler, a FLOP counter)
+        assert not is_tracing()
+    assert not is_tracing()
 
 
 def pools_down_to_fewer_rows_than_ranks() -> nn.Module:
