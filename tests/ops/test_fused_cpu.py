@@ -473,24 +473,24 @@ def test_every_pass_gives_the_same_result_on_any_number_of_threads() -> None:
         torch.set_num_threads(1)
 
 
-def _sharded_norms_on_threads(threads: int) -> list[str]:
+def _sharded_norms_on_threads(threads: int, rows: list[int]) -> list[str]:
     from physics_dp.testing.compare import assert_sharded_matches
     from physics_dp.shard_tensor import Shard
 
     torch.set_num_threads(threads)
     try:
-        mesh, x = get_mesh((2,)), torch.randn(2, 8, 13, 6, generator=torch.Generator().manual_seed(1))
+        mesh, x = get_mesh((len(rows),)), torch.randn(2, 8, sum(rows), 6, generator=torch.Generator().manual_seed(1))
         checked = []
         for name, module, layout in (
             ("group", torch.nn.GroupNorm(4, 8), torch.contiguous_format),
             ("batch", torch.nn.BatchNorm2d(8), torch.contiguous_format),
-            ("layer", torch.nn.LayerNorm([8, 13, 6]), torch.contiguous_format),
+            ("layer", torch.nn.LayerNorm([8, sum(rows), 6]), torch.contiguous_format),
             ("channels-last group", torch.nn.GroupNorm(4, 8), torch.channels_last),
             ("channels-last batch", torch.nn.BatchNorm2d(8), torch.channels_last),
         ):
             with _Ops() as ops:
                 assert_sharded_matches(
-                    module, [x.contiguous(memory_format=layout)], mesh, [[Shard(2)]], sharding_sizes=[{0: [8, 5]}],
+                    module, [x.contiguous(memory_format=layout)], mesh, [[Shard(2)]], sharding_sizes=[{0: rows}],
                     atol=1e-5, rtol=1e-5,
                 )
             fused = any(op.startswith("physics_dp::") for op in ops.names) and "aten::addcmul" not in ops.names
@@ -500,11 +500,13 @@ def _sharded_norms_on_threads(threads: int) -> list[str]:
         torch.set_num_threads(1)
 
 
-def test_sharded_norms_on_ranks_with_two_threads_take_the_kernels_and_match_one_device() -> None:
+@pytest.mark.parametrize("rows", [[8, 5], [6, 4, 3]])
+def test_sharded_norms_on_ranks_with_two_threads_take_the_kernels_and_match_one_device(rows: list[int]) -> None:
     """Group and batch norm in both layouts and layer norm with its elementwise affine (applied in
-    the kernels' passes, no separate ``addcmul``) on ranks of two threads.  Channels last and layer
-    norm's affine used to take torch's stock kernels there (their sums ran on one thread)."""
-    for checked in run_on_ranks(2, _sharded_norms_on_threads, 2):
+    the kernels' passes, no separate ``addcmul``) on 2 and 3 ranks of two threads, uneven splits.
+    Channels last and layer norm's affine used to take torch's stock kernels there (their sums ran
+    on one thread)."""
+    for checked in run_on_ranks(len(rows), _sharded_norms_on_threads, 2, rows):
         assert checked == [
             "group: fused", "batch: fused", "layer: fused", "channels-last group: fused", "channels-last batch: fused",
         ], checked
