@@ -27,6 +27,9 @@ constexpr int64_t kParallelWork = 1 << 16;  // values a thread's share of a pass
 // How many of the items (statistics, rows, channels) of `values` values each one thread takes at least.
 int64_t grain(int64_t values) { return std::max<int64_t>(1, kParallelWork / std::max<int64_t>(values, 1)); }
 
+// How many blocks of `block` items cover `length` (the last one may be short).
+int64_t blocks_of(int64_t length, int64_t block) { return (length + block - 1) / block; }
+
 // Running moments of values about a shift: count, mean (relative to the shift) and the sum of
 // squared deviations.  Blocks of kBlock values are summed in the input's dtype about the shift (so
 // that data far from zero keeps its variance); the blocks merge in float64 with Chan's formula.
@@ -228,7 +231,7 @@ void weighted_block_sums(const T* dy, const T* x, const T* w, const T* mean, con
 template <typename T>
 void weighted_grad_sums_kernel(const T* dy, const T* x, const T* w, const T* mean, const T* rstd, int64_t rows,
                                int64_t length, double* sum_g, double* sum_g_centered, T* grad_w, T* grad_b) {
-  const int64_t blocks = (length + kBlock - 1) / kBlock;
+  const int64_t blocks = blocks_of(length, kBlock);
   std::vector<double> partial(2 * blocks * rows);  // per (block, row): its sums, merged in block order below
   double* partial_g = partial.data();
   double* partial_centered = partial_g + blocks * rows;
@@ -266,8 +269,6 @@ std::vector<T> repeated(const T* per_channel, int64_t channels, int64_t rows) {
 
 // Rows per block of the channels-last passes' sums: about kBlock, whole chunks.
 int64_t rows_per_block(int64_t chunk_rows) { return std::max(chunk_rows, kBlock / chunk_rows * chunk_rows); }
-
-int64_t blocks_of(int64_t length, int64_t block_rows) { return (length + block_rows - 1) / block_rows; }
 
 // Goes over the rows [start, end) of one block: four(first_row) for each run of four whole chunks of
 // chunk_rows rows (four chunks added to the accumulators in one pass: a quarter of their loads and
