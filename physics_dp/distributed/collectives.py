@@ -97,7 +97,7 @@ def _group_size(group: ProcessGroup | None) -> int:
 
 def group_rank(group: ProcessGroup | None) -> int:
     """This process's rank in ``group`` (None: the world), read off the group itself: every halo
-    exchange asks, and ``group_rank(group)`` takes eight Python calls to check membership
+    exchange asks, and ``dist.get_rank(group)`` takes eight Python calls to check membership
     (every group physics_dp passes is one of this process's mesh groups)."""
     return dist.get_rank() if group is None else group.rank()
 

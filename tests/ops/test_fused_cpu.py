@@ -291,11 +291,8 @@ def test_usable_only_where_the_kernels_apply() -> None:
     assert not fused_cpu.usable(x.bfloat16())
     assert not fused_cpu.usable(torch.randn(0, 6))
     assert not fused_cpu.usable(x, x.double())
-    torch.set_num_threads(2)
-    try:
-        assert fused_cpu.usable(x)  # every pass splits its work over the threads
-    finally:
-        torch.set_num_threads(1)
+    torch.set_num_threads(2)  # (the fixture restores one thread)
+    assert fused_cpu.usable(x)  # every pass splits its work over the threads
     previous = fused_cpu.set_enabled(False)
     try:
         assert not fused_cpu.usable(x)
@@ -443,8 +440,7 @@ def _every_pass(threads: int) -> list[torch.Tensor]:
     layer_x, layer_dy = x3.view(3, -1), g3.view(3, -1)
     layer_mean, layer_rstd = layer_x.mean(1), layer_x.var(1).rsqrt()
     tokens, token_grads = x3.view(3, 40000, 8), g3.view(3, 40000, 8)  # channels innermost
-    per_channel = (torch.randn(24, generator=generator) for _ in range(3))
-    ca, cb, cc = per_channel
+    ca, cb, cc = (torch.randn(24, generator=generator) for _ in range(3))  # per (sample, channel)
     return [
         fused_cpu.norm_moments(x3, 4, True), fused_cpu.norm_moments(x3, 8, False),
         fused_cpu.row_affine(rows, a, c), fused_cpu.two_term_affine(grads, rows, a, b, c),
@@ -465,12 +461,9 @@ def test_every_pass_gives_the_same_result_on_any_number_of_threads() -> None:
     values summed by one and the blocks added in block order: the same bits on 1, 2 and 3 threads
     (the row-major statistics ran 1.6x faster on two threads than on one here)."""
     one = _every_pass(1)
-    try:
-        for threads in (2, 3):
-            for index, (got, expected) in enumerate(zip(_every_pass(threads), one)):
-                assert torch.equal(got, expected), (threads, index)
-    finally:
-        torch.set_num_threads(1)
+    for threads in (2, 3):
+        for index, (got, expected) in enumerate(zip(_every_pass(threads), one)):
+            assert torch.equal(got, expected), (threads, index)
 
 
 def _sharded_norms_on_threads(threads: int, rows: list[int]) -> list[str]:
