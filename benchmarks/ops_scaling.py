@@ -21,8 +21,8 @@ For each op (forward, then backward from a cotangent of ones, at one global size
 
     python benchmarks/ops_scaling.py [--ranks 2] [--repeats 25] [--ops conv,group_norm] [--json out.json] [--channels-last]
 
-With ``PHYSICS_DP_FUSED_CPU_KERNELS=0`` the norms run on torch's stock kernels, the path a GPU or a
-CPU rank with several threads takes.
+With ``PHYSICS_DP_FUSED_CPU_KERNELS=0`` the norms run on torch's stock kernels, the path a GPU (or a
+CPU rank without a C++ compiler) takes.
 
 Every rank first keeps freed host memory, as the trainer does by default
 (``physics_dp.distributed.host_memory``): otherwise a freed 16 MiB result is unmapped and the

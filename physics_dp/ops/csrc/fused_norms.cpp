@@ -184,13 +184,6 @@ void grad_sums_kernel(const T* g, const T* x, const T* mean, int64_t samples, in
   });
 }
 
-// Per row r of the contiguous (rows, length) dy and x, with g = dy * w: the sums of g and of
-// g * (x - mean[r]) in float64 (blocks of kBlock summed in the inputs' dtype); where grad_w is not
-// null also, per value j, the affine parameters' gradients summed over the rows: grad_w[j] of
-// dy * (x - mean[r]) * rstd[r], grad_b[j] of dy.  Blocks run over j outermost, so each block of the
-// parameters' gradients stays in cache while every row adds to it: one pass over dy and x.  The
-// blocks split over the threads (each owns its values' parameter gradients); a row's sums over the
-// blocks add up afterwards in block order.
 // One block [start, end) of values of weighted_grad_sums_kernel: each row's sums over it into
 // partial_g[r] and partial_centered[r], and its values' parameter gradients (where grad_w is not null).
 template <typename T>
@@ -228,6 +221,13 @@ void weighted_block_sums(const T* dy, const T* x, const T* w, const T* mean, con
   }
 }
 
+// Per row r of the contiguous (rows, length) dy and x, with g = dy * w: the sums of g and of
+// g * (x - mean[r]) in float64 (blocks of kBlock summed in the inputs' dtype); where grad_w is not
+// null also, per value j, the affine parameters' gradients summed over the rows: grad_w[j] of
+// dy * (x - mean[r]) * rstd[r], grad_b[j] of dy.  Blocks run over j outermost, so each block of the
+// parameters' gradients stays in cache while every row adds to it: one pass over dy and x.  The
+// blocks split over the threads (each owns its values' parameter gradients); a row's sums over the
+// blocks add up afterwards in block order.
 template <typename T>
 void weighted_grad_sums_kernel(const T* dy, const T* x, const T* w, const T* mean, const T* rstd, int64_t rows,
                                int64_t length, double* sum_g, double* sum_g_centered, T* grad_w, T* grad_b) {
