@@ -138,7 +138,7 @@ class TrainingConfig:
     precision: str = "fp32"  # fp32 | bf16
     compile: bool = False  # torch.compile the model (training steps, validation and inference)
     compile_backend: str = "inductor"  # inductor | aot_eager | eager (torch.compile backends)
-    channels_last: bool = False  # the model (so its activations) channels last: see docs/performance.md
+    channels_last: bool = False  # the batches (so the activations) channels last; parameters stay as built: see docs/performance.md
     seed: int = 0
     keep_freed_memory: bool = True  # keep freed host memory for the next step (no page refaults; see host_memory.py)
     checkpoint_interval: int = 50
@@ -309,11 +309,6 @@ def validate(cfg: DictConfig | Any) -> None:
         value = OmegaConf.select(cfg, key)
         if value is not None and (len(value) != 2 or value[0] < 0 or value[0] >= value[1]):
             raise ValueError(f"config key {key} must be [start, stop) with 0 <= start < stop, got {list(value)}")
-    if cfg.training.channels_last and cfg.parallel.data_parallel == "fsdp":
-        raise ValueError(
-            "training.channels_last=true needs parallel.data_parallel=ddp or none: FSDP2 does not shard "
-            "channels-last (non-contiguous) parameters"
-        )
     if not str(cfg.run.name).strip() or "/" in str(cfg.run.name):
         raise ValueError(f"config key run.name={cfg.run.name!r} must be a non-empty name without '/'; use run.dir for a path")
 

@@ -76,7 +76,6 @@ def test_mistyped_keys_and_wrong_types_fail_at_composition(override, message):
         ("data.valid_times=[-2,4]", "data.valid_times must be [start, stop)"),
         ("training.channel_weights=[0,0]", "training.channel_weights=[0.0, 0.0] is invalid"),
         ("run.name=a/b", "run.name='a/b' must be a non-empty name"),
-        ("training.channels_last=true", "training.channels_last=true needs parallel.data_parallel=ddp or none"),
     ],
 )
 def test_bad_values_are_named(override, message):

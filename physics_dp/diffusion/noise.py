@@ -19,6 +19,7 @@ import torch
 from ..distributed.seeds import GAMMA, MASK64, MUL1, MUL2, derive_seed, mix64
 from ..shard_tensor import ShardTensor, ShardTensorSpec
 from ..shard_tensor.conversions import from_local_with_spec
+from ..shard_tensor.spec import dense_order, inverse_order
 
 __all__ = ["derive_seed", "randn_like_global", "sample_sigma_lognormal"]
 
@@ -102,28 +103,35 @@ def randn_like_global(like: torch.Tensor, seed: int, sample_ids: Sequence[int] |
                 "redistribute like to Shard/Replicate first"
             )
         local_shape, offsets = tuple(spec.local_shape()), spec.offsets()
+        order = dense_order(spec.shape, spec.stride) or list(range(like.ndim))  # the layout every rank agrees on
     else:
         local_shape, offsets = global_shape, (0,) * like.ndim
+        order = dense_order(like.shape, like.stride()) or list(range(like.ndim))
     ids = _as_ids(sample_ids, global_shape[0])[offsets[0] : offsets[0] + local_shape[0]]
     device = like.device
-    broadcast = [1] * (like.ndim - 1)
-    keys = torch.tensor(_stream_keys(seed, _FIELD_STREAM, ids), dtype=torch.int64, device=device).view(-1, *broadcast)
 
-    # Global flat position within a sample, built from broadcast aranges over this slab only.
+    def laid_out(dim: int, extent: int) -> list[int]:
+        """A broadcast shape with ``extent`` at ``dim``, its dims in memory order: the values come out
+        in ``like``'s layout, with no copy."""
+        shape = [1] * like.ndim
+        shape[order.index(dim)] = extent
+        return shape
+
+    keys = torch.tensor(_stream_keys(seed, _FIELD_STREAM, ids), dtype=torch.int64, device=device).view(laid_out(0, -1))
+
+    # Global flat position within a sample (row-major, whatever the layout), from broadcast aranges over this slab only.
     positions = torch.zeros((), dtype=torch.int64, device=device)
     stride = 1
     for dim in range(like.ndim - 1, 0, -1):
-        shape = [1] * like.ndim
-        shape[dim] = local_shape[dim]
         index = torch.arange(offsets[dim], offsets[dim] + local_shape[dim], dtype=torch.int64, device=device)
-        positions = positions + (index * stride).view(shape)
+        positions = positions + (index * stride).view(laid_out(dim, local_shape[dim]))
         stride *= global_shape[dim]
-    local = _normal(keys, positions).to(like.dtype)
+    local = _normal(keys, positions).to(like.dtype).permute(inverse_order(order))
 
     if not isinstance(like, ShardTensor):
         return local
     # like's split, known on every rank: no communication (from_local with explicit sizes would check them)
-    return from_local_with_spec(local, ShardTensorSpec(spec.mesh, spec.placements, global_shape, spec.axis_sizes))
+    return from_local_with_spec(local, ShardTensorSpec(spec.mesh, spec.placements, global_shape, spec.axis_sizes).in_order(order))
 
 
 def sample_sigma_lognormal(

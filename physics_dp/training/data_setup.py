@@ -17,7 +17,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..config import DataConfig
 from ..data import DataSpec, ShardedLoader, Stats, WeatherDataset, load_or_compute_stats
 from ..distributed.agreement import on_rank0
-from ..shard_tensor import Shard, ShardTensor
+from ..shard_tensor import Shard
+from ..shard_tensor.conversions import from_local_with_spec, spec_from_local
+from ..shard_tensor.spec import CHANNELS_LAST_ORDERS
 
 __all__ = ["DataBundle", "build_data", "data_spec", "row_window", "shard_batch", "FIELD_KEYS"]
 
@@ -118,16 +120,28 @@ def build_data(cfg: DataConfig, mesh: DeviceMesh, per_rank_batch: int, seed: int
 
 
 def shard_batch(
-    batch: dict[str, torch.Tensor], domain_mesh: DeviceMesh, grid_shape: tuple[int, int], device: torch.device | None = None
+    batch: dict[str, torch.Tensor],
+    domain_mesh: DeviceMesh,
+    grid_shape: tuple[int, int],
+    device: torch.device | None = None,
+    channels_last: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Wrap each (n, C, rows, W) slab, moved to ``device``, as a ShardTensor of the global
-    (n, C, H, W) field; other entries pass through."""
+    (n, C, H, W) field; other entries pass through.
+
+    ``channels_last`` lays every field out channels last, so the model's activations follow
+    whatever its parameters' layout (FSDP2 keeps them row-major).  The layout is set by the
+    caller, not read off each slab: a slab of one or no rows looks row-major too, and every rank
+    must agree on its spec.
+    """
     out: dict[str, torch.Tensor] = {}
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
     for key, value in batch.items():
         if key in FIELD_KEYS:
             shape = (value.shape[0], value.shape[1], *grid_shape)
-            local = value.to(device, non_blocking=True) if device is not None else value
-            out[key] = ShardTensor.from_local(local, domain_mesh, [Shard(2)], sharding_shapes="chunk", global_shape=shape)
+            local = value.to(device, non_blocking=True, memory_format=memory_format)
+            spec = spec_from_local(local, domain_mesh, [Shard(2)], "chunk", shape)
+            out[key] = from_local_with_spec(local, spec.in_order(CHANNELS_LAST_ORDERS[4]) if channels_last else spec)
         else:
             out[key] = value
     return out

@@ -102,7 +102,9 @@ class Trainer:
         for i in range(min(self.cfg.training.validation_batches, len(dataset) // micro)):
             first = i * micro + self.data_rank * b
             ids = torch.arange(first, first + b)
-            yield ids, shard_batch(collate([dataset[int(j)] for j in ids]), self.domain, self.data.grid_shape, self.device)
+            yield ids, shard_batch(
+                collate([dataset[int(j)] for j in ids]), self.domain, self.data.grid_shape, self.device, self.cfg.training.channels_last
+            )
 
     # ----- validation ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -144,7 +146,7 @@ class Trainer:
     def fit(self) -> StageResult:
         cfg, t = self.cfg, self.cfg.training
         torch.manual_seed(t.seed)  # identical initial weights on every rank (synced anyway)
-        model = self.task.build_model().to(self.device, memory_format=torch.channels_last if t.channels_last else torch.preserve_format)
+        model = self.task.build_model().to(self.device)
         parallel = parallelize(model, self.mesh, cfg.parallel.data_parallel, t.precision)
         if t.compile:
             compile_in_place(parallel.model, t.compile_backend)
@@ -173,7 +175,7 @@ class Trainer:
                 total = torch.zeros((), device=self.device)
                 for micro in range(t.grad_accumulation):
                     ids = self._sample_ids(loader.state_dict())
-                    batch = shard_batch(next(batches), self.domain, self.data.grid_shape, self.device)
+                    batch = shard_batch(next(batches), self.domain, self.data.grid_shape, self.device, t.channels_last)
                     loss = self.task.loss(parallel, batch, seed=derive_seed(t.seed, step, micro), sample_ids=ids)
                     (loss / t.grad_accumulation).backward()
                     total += loss.detach().float() / t.grad_accumulation

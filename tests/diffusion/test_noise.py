@@ -79,6 +79,19 @@ def test_volumes():
     assert noise[0, 1, 2, 3, 4].item() == pytest.approx(_reference_value(0, 0, 60 + 2 * 20 + 3 * 5 + 4), rel=1e-6)
 
 
+@pytest.mark.parametrize("layout", ["channels_last", "channels_last_3d", "transposed"])
+def test_noise_is_laid_out_like_like_with_the_same_values(layout):
+    shape = (2, 3, 4, 5, 6) if layout == "channels_last_3d" else (2, 3, 5, 7)
+    row_major = randn_like_global(torch.empty(shape), 4, [1, 2])
+    if layout == "transposed":
+        like = torch.empty(shape).transpose(2, 3).contiguous().transpose(2, 3)
+    else:
+        like = torch.empty(shape).contiguous(memory_format=getattr(torch, layout))
+    noise = randn_like_global(like, 4, [1, 2])
+    assert noise.stride() == like.stride()
+    torch.testing.assert_close(noise, row_major, rtol=0, atol=0)
+
+
 def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="2 sample_ids for a batch of 3"):
         randn_like_global(torch.empty(3, 1, 4, 4), 0, [0, 1])
@@ -113,15 +126,16 @@ def test_derive_seed():
 SHAPE = (2, 3, 13, 7)  # (N, C, H, W): odd extents make the balanced splits uneven
 
 
-def _check_sharded(mesh_shape, names, placements, sizes, shape, sample_ids):
+def _check_sharded(mesh_shape, names, placements, sizes, shape, sample_ids, memory_format=torch.contiguous_format):
     mesh = get_mesh(mesh_shape, names)
-    like = distribute_tensor(torch.empty(shape), mesh, placements, sizes)
+    like = distribute_tensor(torch.empty(shape).contiguous(memory_format=memory_format), mesh, placements, sizes)
     with count_communication() as log:
         noise = randn_like_global(like, seed=42, sample_ids=sample_ids)
     assert log.calls == 0, log.kinds()
     assert isinstance(noise, ShardTensor) and noise._spec == like._spec
     expected = randn_like_global(torch.empty(shape), seed=42, sample_ids=sample_ids)
     torch.testing.assert_close(noise.full_tensor(), expected, rtol=0, atol=0)
+    assert noise.to_local().stride() == like.to_local().stride() or like.to_local().numel() == 0  # an empty slab has any strides
     return noise.to_local()
 
 
@@ -140,6 +154,14 @@ CASES = {
 def test_sharded_matches_single_device(case):
     mesh_shape, names, placements, sizes = CASES[case]
     run_on_ranks(math.prod(mesh_shape), _check_sharded, mesh_shape, names, placements, sizes, SHAPE, [5, 2])
+
+
+@pytest.mark.parametrize("case", ["3-uneven", "2x2-HxW"])
+def test_sharded_noise_is_laid_out_like_a_channels_last_like(case):
+    """Each rank's slab comes out channels last, under a channels-last spec on every rank (the empty slab's
+    too): a diffusion loss then adds it to a channels-last batch without a strided pass."""
+    mesh_shape, names, placements, sizes = CASES[case]
+    run_on_ranks(math.prod(mesh_shape), _check_sharded, mesh_shape, names, placements, sizes, SHAPE, [5, 2], torch.channels_last)
 
 
 def test_sharded_volume():

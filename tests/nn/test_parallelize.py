@@ -163,18 +163,35 @@ def test_matches_single_device(kind, layout, data_parallel):
     assert sum(per_replica) / replicas == pytest.approx(results[0]["ref_loss"], rel=1e-5, abs=1e-6)
 
 
-def _step_over_c10d(kind: str, data_parallel: str) -> dict[str, float]:
-    mesh = get_mesh((1, 2), ("data", "domain"))
+def _step_over_c10d(kind: str, data_parallel: str, layout: tuple[int, int]) -> dict[str, float]:
+    mesh = get_mesh(layout, ("data", "domain"))
     with collectives_over_c10d():
         return step_against_one_device(kind, mesh, data_parallel)
 
 
-@pytest.mark.parametrize("data_parallel", ["fsdp", "none"])
-def test_matches_single_device_over_c10d(data_parallel):
+@pytest.mark.parametrize("data_parallel,layout", [("fsdp", (2, 2)), ("none", (1, 2))])
+def test_matches_single_device_over_c10d(data_parallel, layout):
     """The step of a GPU job: every exchange and the gradient buckets over torch's collectives."""
-    for rank, worst in enumerate(run_on_ranks(2, _step_over_c10d, "regression", data_parallel, timeout=180.0)):
+    ranks = math.prod(layout)
+    for rank, worst in enumerate(run_on_ranks(ranks, _step_over_c10d, "regression", data_parallel, layout, timeout=180.0)):
         for key in ("output", "input_grad", "param_grad", "param_after_step"):
             assert worst[key] < 1e-4, f"rank {rank}: {key} differs by {worst[key]:.3e}"
+
+
+def _wrappers_over_one_replica(data_parallel: str) -> tuple[set[str], int]:
+    from torch.distributed.fsdp import FSDPModule
+
+    parallel = parallelize(_build("regression"), get_mesh((1, 2), ("data", "domain")), data_parallel)
+    wrappers = sum(isinstance(m, (FSDPModule, nn.parallel.DistributedDataParallel)) for m in parallel.modules())
+    return {type(p).__name__ for p in parallel.model.parameters()}, wrappers
+
+
+@pytest.mark.parametrize("data_parallel", ["fsdp", "ddp"])
+def test_one_data_replica_runs_unwrapped(data_parallel):
+    """A data axis of size 1 has nothing to shard or average: plain parameters, no FSDP or DDP
+    wrapper (whose per-unit gathers over one rank cost a CPU step 18%)."""
+    for types, wrappers in run_on_ranks(2, _wrappers_over_one_replica, data_parallel):
+        assert types == {"Parameter"} and wrappers == 0
 
 
 def _bf16_close(data_parallel: str) -> float:

@@ -69,12 +69,16 @@ def test_two_domain_ranks_learn_and_checkpoint(tmp_path):
         assert {w[0] for w in windows["state"]["t2m"]} == {rows}
 
 
-def test_a_channels_last_model_trains_as_the_row_major_one(tmp_path):
-    """``training.channels_last=true`` on 2 domain ranks (without FSDP, which refuses channels-last
-    parameters: a config error): the same losses and weights, to float rounding."""
+@pytest.mark.parametrize("ranks,data_parallel", [(2, "none"), (4, "fsdp")])
+def test_a_channels_last_run_trains_as_the_row_major_one(tmp_path, ranks, data_parallel):
+    """``training.channels_last=true`` on 2 domain ranks, alone and with FSDP2 over 2 data replicas
+    (which keeps the parameters row-major; the batches carry the layout): the same losses and
+    weights, to float rounding."""
     runs = {
-        layout: run_on_ranks(2, _train, _overrides(str(tmp_path / layout), "parallel.domain_size=2", "parallel.data_parallel=none",
-                                                   "training.max_steps=3", f"training.channels_last={layout == 'cl'}"), timeout=300.0)[0]["regression"]
+        layout: run_on_ranks(ranks, _train, _overrides(
+            str(tmp_path / layout), "parallel.domain_size=2", f"parallel.data_parallel={data_parallel}", "training.max_steps=3",
+            f"training.channels_last={layout == 'cl'}",
+        ), timeout=300.0)[0]["regression"]
         for layout in ("cl", "row")
     }
     assert runs["cl"]["losses"] == pytest.approx(runs["row"]["losses"], rel=1e-4)
