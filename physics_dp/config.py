@@ -108,6 +108,7 @@ class DataConfig:
 class ParallelConfig:
     domain_size: int = 1  # ranks that split each sample's grid (rows); data size = world / domain_size
     data_parallel: str = "fsdp"  # fsdp | ddp | none
+    fsdp_unit_params: int = 1 << 24  # a block this large is its own FSDP unit; smaller ones stay in the root unit
     timeout_s: float = 300.0  # a collective or a silent rank waited on longer than this ends every rank
 
 
@@ -251,6 +252,7 @@ _NON_NEGATIVE = (
     "sampling.s_churn",
     "data.prefetch",
     "data.synthetic.seed",
+    "parallel.fsdp_unit_params",
 )
 _OPTIONAL_POSITIVE = ("training.grad_clip", "model.diffusion.unet.embedding_dim", "model.regression.embedding_dim")
 _POSITIVE_LISTS = (

@@ -73,6 +73,7 @@ def test_mistyped_keys_and_wrong_types_fail_at_composition(override, message):
         ("model.regression.channel_mult=[]", "model.regression.channel_mult=[] is invalid"),
         ("model.diffusion.dit.depth=0", "model.diffusion.dit.depth must be a positive integer"),
         ("data.prefetch=-1", "data.prefetch=-1 is invalid"),
+        ("parallel.fsdp_unit_params=-1", "parallel.fsdp_unit_params=-1 is invalid"),
         ("data.valid_times=[-2,4]", "data.valid_times must be [start, stop)"),
         ("training.channel_weights=[0,0]", "training.channel_weights=[0.0, 0.0] is invalid"),
         ("run.name=a/b", "run.name='a/b' must be a non-empty name"),

@@ -4,7 +4,7 @@ from .compile import compile_in_place
 from .losses import masked_mean, replicated_value
 from .fsdp_adapter import FSDPOutputTensorAdapter, distribute_over_domain_for_fsdp, wrap_for_fsdp
 from .module_sync import all_reduce_gradients, distribute_module, sync_module_over_mesh
-from .parallelize import ParallelModel, data_size, domain_mesh, parallelize
+from .parallelize import ParallelModel, data_size, default_fsdp_units, domain_mesh, parallelize
 
 __all__ = [
     "FSDPOutputTensorAdapter",
@@ -12,6 +12,7 @@ __all__ = [
     "all_reduce_gradients",
     "compile_in_place",
     "data_size",
+    "default_fsdp_units",
     "distribute_module",
     "distribute_over_domain_for_fsdp",
     "domain_mesh",

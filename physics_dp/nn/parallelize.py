@@ -21,7 +21,9 @@ from torch.nn.parallel import DistributedDataParallel
 from .fsdp_adapter import FSDPOutputTensorAdapter
 from .module_sync import sync_module_over_mesh
 
-__all__ = ["ParallelModel", "parallelize", "domain_mesh", "data_size", "default_fsdp_units", "DATA_AXIS"]
+__all__ = [
+    "ParallelModel", "parallelize", "domain_mesh", "data_size", "default_fsdp_units", "DATA_AXIS", "DEFAULT_FSDP_UNIT_PARAMS",
+]
 
 DATA_AXIS = "data"
 DataParallel = Literal["fsdp", "ddp", "none"]
@@ -49,9 +51,20 @@ def domain_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh if len(names) == mesh.ndim else mesh[names]
 
 
-def default_fsdp_units(model: nn.Module) -> list[nn.Module]:
+# A block is its own FSDP unit from this many parameters (64 MiB in fp32) on.  Each unit costs two or
+# three collectives per step (gathers in forward and backward, a reduce-scatter); below this size
+# their latency costs more than gathering the block with the model's root unit saves in memory.
+DEFAULT_FSDP_UNIT_PARAMS = 1 << 24
+
+
+def default_fsdp_units(model: nn.Module, min_params: int = DEFAULT_FSDP_UNIT_PARAMS) -> list[nn.Module]:
     """Blocks to shard one by one (each gathers its parameters only while it runs): the items of
-    every ``nn.ModuleList``/``nn.Sequential`` that own parameters, outermost first."""
+    every ``nn.ModuleList``/``nn.Sequential`` that hold at least ``min_params`` parameters,
+    outermost first.  Smaller blocks stay in the model's root unit, gathered once per forward.
+
+    Why the floor: on 4 CPU ranks (2 data x 2 domain) the quick start's step took 370-430 ms with
+    each of its 12 blocks (288-8096 parameters) a unit, 210-243 ms with the root alone.
+    """
     units: list[nn.Module] = []
     claimed: set[int] = set()
     for module in model.modules():
@@ -59,7 +72,8 @@ def default_fsdp_units(model: nn.Module) -> list[nn.Module]:
             continue
         if isinstance(module, (nn.ModuleList, nn.Sequential)) and module is not model:
             for child in module:
-                if any(True for _ in child.parameters()):
+                size = sum(p.numel() for p in child.parameters())
+                if size and size >= min_params:
                     units.append(child)
                     claimed.update(id(m) for m in child.modules())
     return units

@@ -6,6 +6,7 @@ run on 1 x 1, 2 x 1 or 1 x 2 ranks follows the same trajectory and resumes on an
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import resource
@@ -19,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..data import collate
 from ..diffusion import derive_seed
 from ..distributed import DistributedManager, collectives
-from ..nn import ParallelModel, compile_in_place, domain_mesh, parallelize
+from ..nn import ParallelModel, compile_in_place, default_fsdp_units, domain_mesh, parallelize
 from ..nn.losses import replicated_value
 from .checkpoint import Checkpointer, export_state_dict
 from .data_setup import DataBundle, shard_batch
@@ -147,7 +148,8 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.training
         torch.manual_seed(t.seed)  # identical initial weights on every rank (synced anyway)
         model = self.task.build_model().to(self.device)
-        parallel = parallelize(model, self.mesh, cfg.parallel.data_parallel, t.precision)
+        units = functools.partial(default_fsdp_units, min_params=cfg.parallel.fsdp_unit_params)
+        parallel = parallelize(model, self.mesh, cfg.parallel.data_parallel, t.precision, fsdp_units=units)
         if t.compile:
             compile_in_place(parallel.model, t.compile_backend)
         optimizer = build_optimizer(cfg.optim, parallel.model.parameters())

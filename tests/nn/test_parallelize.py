@@ -4,6 +4,7 @@ optimizer step, for every model at its ``test`` size."""
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import warnings
 from importlib import resources
@@ -15,7 +16,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from physics_dp.models import EDMPrecond, build_backbone, build_regression_unet
-from physics_dp.nn import FSDPOutputTensorAdapter, domain_mesh, parallelize
+from physics_dp.nn import FSDPOutputTensorAdapter, default_fsdp_units, domain_mesh, parallelize
+from physics_dp.nn.parallelize import DEFAULT_FSDP_UNIT_PARAMS
 from physics_dp.shard_tensor import Shard, distribute_tensor
 from physics_dp.testing import collectives_over_c10d, get_mesh, run_on_ranks
 
@@ -98,9 +100,10 @@ def _mesh_device(mesh) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
 
 
-def step_against_one_device(kind: str, mesh, data_parallel: str) -> dict[str, float]:
-    """One training step of ``parallelize(model, mesh, data_parallel)`` against the model on one
-    device (on the mesh's device type): the largest differences, the losses and the output type."""
+def step_against_one_device(kind: str, mesh, data_parallel: str, unit_params: int = DEFAULT_FSDP_UNIT_PARAMS) -> dict[str, float]:
+    """One training step of ``parallelize(model, mesh, data_parallel)`` (FSDP units of at least
+    ``unit_params`` parameters) against the model on one device (on the mesh's device type): the
+    largest differences, the losses and the output type."""
     device = _mesh_device(mesh)
     batch = {name: t.to(device) for name, t in _batch().items()}
     model = _build(kind).to(device)
@@ -113,7 +116,7 @@ def step_against_one_device(kind: str, mesh, data_parallel: str) -> dict[str, fl
     ref_loss.backward()
     ref_optim.step()
 
-    parallel = parallelize(model, mesh, data_parallel)
+    parallel = parallelize(model, mesh, data_parallel, fsdp_units=functools.partial(default_fsdp_units, min_params=unit_params))
     optim = _optimizer(parallel.model)
     domain = domain_mesh(mesh)
     placements = [Shard(2)] if domain.ndim == 1 else [Shard(2), Shard(3)]
@@ -161,6 +164,37 @@ def test_matches_single_device(kind, layout, data_parallel):
     # The replicas' losses average to the single-device loss over the whole batch.
     per_replica = [results[r]["loss_replica"] for r in range(0, world, world // replicas)]
     assert sum(per_replica) / replicas == pytest.approx(results[0]["ref_loss"], rel=1e-5, abs=1e-6)
+
+
+def _block_units_step(kind: str) -> dict[str, float]:
+    return step_against_one_device(kind, get_mesh(*LAYOUTS["2x2"]), "fsdp", unit_params=0)
+
+
+@pytest.mark.parametrize("kind", ["regression", "diffusion_unet", "diffusion_dit"])
+def test_fsdp_with_every_block_a_unit_matches_single_device(kind):
+    """The test models' blocks are far below the default unit size, so the cases above shard them
+    with the root; here each block gathers and reduces on its own."""
+    for rank, worst in enumerate(run_on_ranks(4, _block_units_step, kind, timeout=180.0)):
+        for key in ("output", "input_grad", "param_grad", "param_after_step"):
+            assert worst[key] < 1e-4, f"rank {rank}: {key} differs by {worst[key]:.3e}"
+
+
+def _units_of(model: nn.Module, min_params: int) -> list[str]:
+    names = {id(module): name for name, module in model.named_modules()}
+    return [names[id(unit)] for unit in default_fsdp_units(model, min_params)]
+
+
+def test_default_units_are_the_blocks_of_at_least_the_unit_size():
+    model = nn.Sequential(
+        nn.Linear(4, 4),  # 20 parameters
+        nn.ModuleList([nn.Linear(8, 8), nn.Sequential(nn.Linear(2, 2), nn.Linear(3, 3)), nn.ReLU()]),  # 72, 6 + 12, none
+    )
+    assert _units_of(model, 0) == ["1.0", "1.1"]  # the root's own items are in the root's unit
+    assert _units_of(model, 19) == ["1.0"]  # and the 18 parameters of 1.1 with them
+    assert _units_of(model, 100) == []
+    wrapped = nn.Sequential(model)
+    assert _units_of(wrapped, 0) == ["0.0", "0.1"]  # outermost first: the list inside 0.1 goes with it
+    assert _units_of(wrapped, 50) == ["0.1"]
 
 
 def _step_over_c10d(kind: str, data_parallel: str, layout: tuple[int, int]) -> dict[str, float]:
