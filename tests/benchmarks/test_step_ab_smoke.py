@@ -40,7 +40,7 @@ def test_plain_and_sharded_steps_alternate_on_the_same_problem():
 
 
 def test_channels_last_sides_compute_the_same_step():
-    """``--channels-last``: every side channels last, and the sharded step's first loss is still the plain one's."""
+    """``--channels-last``: every side's batch channels last, and the sharded step's first loss is still the plain one's."""
     per_rank = run_on_ranks(2, _alternate, torch.channels_last)
     assert per_rank[0]["plain_loss"] == pytest.approx(per_rank[0]["sharded_loss"], rel=1e-4)
     assert per_rank[0]["plain_loss"] == pytest.approx(run_on_ranks(2, _alternate)[0]["plain_loss"], rel=1e-4)
