@@ -4,7 +4,8 @@ Every rank draws the same per-epoch permutation (seeded by seed + epoch) and cut
 batches of batch_size * data_size samples; data rank d takes its contiguous share of each. Domain
 ranks of one data rank therefore get the same samples (each reading its own hyperslab), and the
 union over data ranks of a global batch does not depend on data_size, so a 1x1 and a 2x1 run
-train on the same data.
+train on the same data.  With ``micro_batches`` batches per optimizer step, an epoch holds whole
+steps only, so a step trains on the same samples however it is split into micro-batches.
 """
 
 from __future__ import annotations
@@ -43,12 +44,15 @@ class ShardedLoader:
         shuffle: bool = True,
         drop_last: bool = True,
         prefetch: int = 2,
+        micro_batches: int = 1,
     ) -> None:
-        if batch_size < 1 or data_size < 1 or not 0 <= data_rank < data_size:
+        if batch_size < 1 or data_size < 1 or not 0 <= data_rank < data_size or micro_batches < 1:
             raise ValueError(
-                f"batch_size={batch_size}, data_rank={data_rank}, data_size={data_size}: need batch_size >= 1 "
-                "and 0 <= data_rank < data_size"
+                f"batch_size={batch_size}, data_rank={data_rank}, data_size={data_size}, micro_batches={micro_batches}: "
+                "need batch_size >= 1, 0 <= data_rank < data_size and micro_batches >= 1"
             )
+        if micro_batches > 1 and not drop_last:
+            raise ValueError("micro_batches > 1 needs drop_last=True: a short last step would not split into equal micro-batches")
         if prefetch < 0:
             raise ValueError(f"prefetch={prefetch}; use 0 (load in the caller's thread) or more batches ahead")
         self.dataset = dataset
@@ -61,11 +65,13 @@ class ShardedLoader:
         self.prefetch = prefetch
         n = len(dataset)
         global_batch = batch_size * data_size
-        self.steps_per_epoch = n // global_batch if drop_last else -(-n // global_batch)
+        # batches per epoch: whole steps of micro_batches each
+        self.steps_per_epoch = n // (global_batch * micro_batches) * micro_batches if drop_last else -(-n // global_batch)
         if self.steps_per_epoch == 0:
             raise ValueError(
-                f"the dataset has {n} samples, fewer than one global batch of {global_batch} "
-                f"(batch_size {batch_size} x data_size {data_size}); lower batch_size or use drop_last=False"
+                f"the dataset has {n} samples, fewer than one global batch of {global_batch * micro_batches} (batch_size "
+                f"{batch_size} x data_size {data_size} x micro_batches {micro_batches}); lower the batch size"
+                + (" or use drop_last=False" if micro_batches == 1 else "")
             )
         remainder = n % global_batch
         if not drop_last and 0 < remainder < data_size:

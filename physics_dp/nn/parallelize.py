@@ -9,13 +9,14 @@ DDP's output hooks only ever see plain tensors.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from .fsdp_adapter import FSDPOutputTensorAdapter
@@ -104,6 +105,25 @@ class ParallelModel(nn.Module):
             return self._adapter.restore(self.runner(*args, **kwargs))
         with torch.autocast(self._device_type, dtype=self._autocast_dtype):
             return self._adapter.restore(self.runner(*args, **kwargs))
+
+    @contextlib.contextmanager
+    def gradient_sync(self, enabled: bool) -> Iterator[None]:
+        """Whether the backward passes run inside reduce gradients over the data replicas.  With
+        ``enabled=False`` (every micro-batch of an accumulated step but the last) FSDP's
+        reduce-scatters and DDP's all-reduces are skipped and the gradients accumulate on each
+        replica, unsharded under FSDP, until a backward with sync reduces their sum once."""
+        runner = self.runner
+        if enabled or not isinstance(runner, (FSDPModule, DistributedDataParallel)):
+            yield
+        elif isinstance(runner, DistributedDataParallel):
+            with runner.no_sync():
+                yield
+        else:
+            runner.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                runner.set_requires_gradient_sync(True)
 
 
 def parallelize(

@@ -100,8 +100,9 @@ class DataBundle:
             item.close()
 
 
-def build_data(cfg: DataConfig, mesh: DeviceMesh, per_rank_batch: int, seed: int) -> DataBundle:
-    """Datasets reading this domain rank's rows and loaders for this data rank."""
+def build_data(cfg: DataConfig, mesh: DeviceMesh, per_rank_batch: int, seed: int, micro_batches: int = 1) -> DataBundle:
+    """Datasets reading this domain rank's rows and loaders for this data rank (``micro_batches``
+    batches of ``per_rank_batch`` samples per optimizer step)."""
     spec = data_spec(cfg)
     stats = shared_stats(spec)
     names = mesh.mesh_dim_names
@@ -115,7 +116,9 @@ def build_data(cfg: DataConfig, mesh: DeviceMesh, per_rank_batch: int, seed: int
     rows = row_window(height, domain_size, domain_rank)
     train = WeatherDataset(spec, "train", rows=rows, stats=stats)
     valid = WeatherDataset(spec, "valid", rows=rows, stats=stats)
-    train_loader = ShardedLoader(train, per_rank_batch, data_rank, data_size, seed, shuffle=True, prefetch=cfg.prefetch)
+    train_loader = ShardedLoader(
+        train, per_rank_batch, data_rank, data_size, seed, shuffle=True, prefetch=cfg.prefetch, micro_batches=micro_batches
+    )
     return DataBundle(spec, stats, train, valid, train_loader, (height, width), train.channel_names)
 
 

@@ -102,7 +102,7 @@ def _train_in(directory: RunDirectory, cfg: DictConfig, mesh, per_rank_batch: in
     run_dir = directory.path
     log.info("run directory %s; %d data x %d domain ranks", run_dir, data_size, domain_size)
     torch.manual_seed(cfg.training.seed)
-    data: DataBundle = build_data(cfg.data, mesh, per_rank_batch, cfg.training.seed)
+    data: DataBundle = build_data(cfg.data, mesh, per_rank_batch, cfg.training.seed, cfg.training.grad_accumulation)
     try:
         failure: Exception | None = None
         try:

@@ -178,8 +178,10 @@ class Trainer:
                 for micro in range(t.grad_accumulation):
                     ids = self._sample_ids(loader.state_dict())
                     batch = shard_batch(next(batches), self.domain, self.data.grid_shape, self.device, t.channels_last)
-                    loss = self.task.loss(parallel, batch, seed=derive_seed(t.seed, step, micro), sample_ids=ids)
-                    (loss / t.grad_accumulation).backward()
+                    with parallel.gradient_sync(micro == t.grad_accumulation - 1):  # the replicas reduce the sum once
+                        # not keyed by the micro-batch: the sample ids place each sample in the run's stream
+                        loss = self.task.loss(parallel, batch, seed=derive_seed(t.seed, step), sample_ids=ids)
+                        (loss / t.grad_accumulation).backward()
                     total += loss.detach().float() / t.grad_accumulation
                 norm = torch.nn.utils.clip_grad_norm_(parallel.model.parameters(), t.grad_clip or math.inf)
                 optimizer.step()

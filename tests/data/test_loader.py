@@ -47,6 +47,24 @@ def test_each_epoch_is_a_seeded_permutation():
     loader.close()
 
 
+@pytest.mark.parametrize("data_size,micro_batches", [(1, 2), (2, 3)])
+def test_a_step_trains_on_the_same_samples_however_it_is_split(data_size, micro_batches):
+    """An epoch of micro-batches holds whole steps (23 samples, steps of 6: three steps, five samples
+    dropped), so each step's micro-batches over every data rank are the unsplit step's samples."""
+    dataset = Numbers(23)
+    single = ShardedLoader(dataset, batch_size=6, data_rank=0, data_size=1, seed=1)
+    micro = 6 // (data_size * micro_batches)
+    ranks = [ShardedLoader(dataset, micro, d, data_size, seed=1, micro_batches=micro_batches) for d in range(data_size)]
+    assert ranks[0].steps_per_epoch == 3 * micro_batches
+    expected = take(single, 7)  # across two epoch boundaries
+    per_rank = [take(loader, 7 * micro_batches) for loader in ranks]
+    for step in range(7):
+        batches = range(step * micro_batches, (step + 1) * micro_batches)
+        assert sorted(sum((per_rank[d][b] for d in range(data_size) for b in batches), [])) == sorted(expected[step])
+    with pytest.raises(ValueError, match="needs drop_last=True"):
+        ShardedLoader(dataset, 2, 0, 1, seed=1, drop_last=False, micro_batches=2)
+
+
 @pytest.mark.parametrize("data_size", [2, 3])
 def test_global_batch_is_the_same_for_any_data_parallel_size(data_size):
     dataset = Numbers(23)  # not divisible: drop_last drops the same samples either way

@@ -197,6 +197,48 @@ def test_default_units_are_the_blocks_of_at_least_the_unit_size():
     assert _units_of(wrapped, 50) == ["0.1"]
 
 
+def _accumulated_grads(data_parallel: str, sync_each: bool) -> tuple[dict[str, torch.Tensor], int]:
+    """Two micro-batches on a (2, 2) mesh, their data reductions after each backward or (as the
+    trainer accumulates) only after the last: the summed gradients and FSDP's reduce-scatters."""
+    import torch.distributed as dist
+
+    mesh = get_mesh(*LAYOUTS["2x2"])
+    parallel = parallelize(_build("regression"), mesh, data_parallel, fsdp_units=functools.partial(default_fsdp_units, min_params=0))
+    domain, replica = domain_mesh(mesh), mesh.get_local_rank(0)
+    scatters = 0
+    reduce_scatter = dist.reduce_scatter_single
+
+    def counted(*args, **kwargs):
+        nonlocal scatters
+        scatters += 1
+        return reduce_scatter(*args, **kwargs)
+
+    dist.reduce_scatter_single = counted
+    try:
+        for micro in range(2):
+            batch = {name: t[replica : replica + 1] * (micro + 1) for name, t in _batch().items()}
+            with parallel.gradient_sync(sync_each or micro == 1):
+                x, condition, target = (distribute_tensor(batch[k].contiguous(), domain, [Shard(2)]) for k in ("x", "condition", "target"))
+                ((_call("regression", parallel, x, condition, batch["sigma"]) - target) ** 2).mean().backward()
+    finally:
+        dist.reduce_scatter_single = reduce_scatter
+    return {name: _full(p.grad).clone() for name, p in parallel.model.named_parameters()}, scatters
+
+
+@pytest.mark.parametrize("data_parallel", ["fsdp", "ddp"])
+def test_micro_batches_but_the_last_skip_the_data_reduction(data_parallel):
+    """``ParallelModel.gradient_sync(False)``: the replicas reduce the accumulated gradients once, and
+    they equal those reduced after every micro-batch; under FSDP, one reduce-scatter per unit instead
+    of one per unit and micro-batch."""
+    each = run_on_ranks(4, _accumulated_grads, data_parallel, True, timeout=180.0)
+    once = run_on_ranks(4, _accumulated_grads, data_parallel, False, timeout=180.0)
+    for (grads_each, scatters_each), (grads_once, scatters_once) in zip(each, once):
+        for name, grad in grads_each.items():
+            assert (grads_once[name] - grad).abs().max().item() < 1e-6, name
+        if data_parallel == "fsdp":
+            assert scatters_each == 2 * scatters_once > 0
+
+
 def _step_over_c10d(kind: str, data_parallel: str, layout: tuple[int, int]) -> dict[str, float]:
     mesh = get_mesh(layout, ("data", "domain"))
     with collectives_over_c10d():

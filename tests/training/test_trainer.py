@@ -85,6 +85,27 @@ def test_a_channels_last_run_trains_as_the_row_major_one(tmp_path, ranks, data_p
     assert _params_close(runs["cl"]["params"], runs["row"]["params"]) < 1e-4
 
 
+@pytest.mark.parametrize(
+    "ranks,data_parallel,experiment", [(2, "none", "stormcast"), (4, "fsdp", "stormcast"), (4, "ddp", "stormcast"), (2, "none", "diffusion")]
+)
+def test_accumulated_micro_batches_train_as_one_batch(tmp_path, ranks, data_parallel, experiment):
+    """``training.grad_accumulation=2``: each step's two micro-batches (their data reduction once,
+    after the second) give the losses and weights of one batch of both, across epochs (11 samples,
+    steps of 4) and, for diffusion, with each sample's noise and sigma."""
+    stage = "regression" if experiment == "stormcast" else "diffusion"
+
+    def overrides(micro: int) -> list[str]:
+        base = _overrides(
+            str(tmp_path / str(micro)), "parallel.domain_size=2", f"parallel.data_parallel={data_parallel}",
+            "training.max_steps=3", "training.global_batch_size=4", f"training.grad_accumulation={micro}",
+        )
+        return [f"+experiment={experiment}", *(o for o in base if not o.startswith(("+experiment=", "training.stage=")))]
+
+    runs = {micro: run_on_ranks(ranks, _train, overrides(micro), timeout=300.0)[0][stage] for micro in (1, 2)}
+    assert runs[2]["losses"] == pytest.approx(runs[1]["losses"], rel=1e-4)  # float rounding, through two Adam steps
+    assert _params_close(runs[2]["params"], runs[1]["params"]) < 1e-4
+
+
 def _params_close(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
