@@ -108,8 +108,8 @@ class ParallelModel(nn.Module):
 
     @contextlib.contextmanager
     def gradient_sync(self, enabled: bool) -> Iterator[None]:
-        """Whether the backward passes run inside reduce gradients over the data replicas.  With
-        ``enabled=False`` (every micro-batch of an accumulated step but the last) FSDP's
+        """A context whose forward and backward passes reduce gradients over the data replicas only
+        if ``enabled``.  Disabled (every micro-batch of an accumulated step but the last), FSDP's
         reduce-scatters and DDP's all-reduces are skipped and the gradients accumulate on each
         replica, unsharded under FSDP, until a backward with sync reduces their sum once."""
         runner = self.runner
