@@ -120,6 +120,7 @@ class OptimConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     momentum: float = 0.9  # sgd only
+    fused: bool = True  # one fused kernel per step, not torch's ops per parameter tensor (docs/performance.md)
 
 
 @dataclass
