@@ -90,7 +90,9 @@ def infer(options: InferConfig, overrides: Sequence[str] = ()) -> InferenceResul
     try:
         names = dataset.channel_names["state"]
         predictor = load_predictor(cfg, run_dir, Channels.from_names(dataset.channel_names), grid, domain_size, manager.device)
-        rollout = Rollout(predictor, dataset, mesh, grid, options.members, options.seed, manager.device)
+        rollout = Rollout(
+            predictor, dataset, mesh, grid, options.members, options.seed, manager.device, cfg.training.channels_last
+        )
         rollout.check_range(options.start_time, options.steps)
         group = stats.groups["state"]
         mean = torch.tensor(group.mean, dtype=torch.float32, device=manager.device).view(1, -1, 1, 1)

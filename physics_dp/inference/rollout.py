@@ -47,6 +47,7 @@ class Rollout:
         members: int,
         seed: int,
         device: torch.device | str = "cpu",
+        channels_last: bool = False,
     ):
         data_size = mesh.size(mesh.mesh_dim_names.index("data"))
         if members % data_size:
@@ -60,6 +61,7 @@ class Rollout:
                 "would be identical; use members=1 or train the diffusion stage (training.stage=both)"
             )
         self.predictor, self.dataset, self.grid, self.members, self.seed = predictor, dataset, grid, members, seed
+        self.channels_last = channels_last  # the fields' layout, as the trainer's (training.channels_last)
         self.device = torch.device(device)
         self.domain = domain_mesh(mesh)
         self.data_group = mesh.get_group("data")
@@ -82,7 +84,7 @@ class Rollout:
     def _batch(self, index: int, copies: int) -> dict[str, torch.Tensor]:
         sample = collate([self.dataset[index]])
         local = {k: v.repeat(copies, *[1] * (v.ndim - 1)).to(self.device) if k in FIELD_KEYS else v for k, v in sample.items()}
-        return shard_batch(local, self.domain, self.grid)
+        return shard_batch(local, self.domain, self.grid, channels_last=self.channels_last)
 
     def _gather_members(self, prediction: torch.Tensor) -> torch.Tensor:
         if self.data_size == 1:

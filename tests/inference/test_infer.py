@@ -253,6 +253,35 @@ def test_diffusion_recipe_samples_each_time_on_any_layout(stormcast_run, tmp_pat
     assert all(math.isfinite(v) for values in sharded["scores"]["crps"].values() for v in values)
 
 
+def _infer_recording_layouts(tokens: list[str]) -> dict:
+    from physics_dp.inference import rollout
+
+    layouts = set()
+    wrap = rollout.shard_batch
+
+    def recording(*args, **kwargs):
+        batch = wrap(*args, **kwargs)
+        layouts.add(batch["state"].to_local().is_contiguous(memory_format=torch.channels_last))
+        return batch
+
+    rollout.shard_batch = recording
+    try:
+        return {**_infer(tokens), "channels_last": layouts}
+    finally:
+        rollout.shard_batch = wrap
+
+
+def test_channels_last_inference_equals_row_major(stormcast_run, forecasts, tmp_path):
+    """training.channels_last=true (the run's or given at inference) lays the fields out channels
+    last, as the trainer does, and forecasts what row-major inference does."""
+    tokens = [f"run_dir={stormcast_run}", f"out={tmp_path}", *FORECAST, "training.channels_last=true"]
+    per_rank = run_on_ranks(2, _infer_recording_layouts, tokens, timeout=300.0)
+    assert all(r["channels_last"] == {True} for r in per_rank)
+    row_major = _fields(forecasts["domain"]["forecast"])
+    for name, values in _fields(per_rank[0]["forecast"]).items():
+        assert np.abs(values - row_major[name]).max() < TOL * max(1.0, np.abs(row_major[name]).max()), name
+
+
 def _infer_counting_graphs(tokens: list[str]) -> dict:
     import torch._dynamo
 
