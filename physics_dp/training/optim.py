@@ -21,13 +21,13 @@ def build_optimizer(cfg: OptimConfig, params: Iterable[torch.nn.Parameter]) -> t
     model (110 tensors) took 1.9 ms against 0.33 fused, of the lite model (214) 6.8 against 1.7.
     """
     params = [p for p in params if p.requires_grad]
-    fused = {"fused": True} if cfg.fused else {}
+    fused = cfg.fused or None  # None: torch's own choice
     if cfg.name == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, **fused)
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, fused=fused)
     if cfg.name == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, **fused)
+        return torch.optim.Adam(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, fused=fused)
     if cfg.name == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **fused)
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, fused=fused)
     raise ValueError(f"unknown optimizer {cfg.name!r}; choose adamw, adam or sgd")
 
 
