@@ -40,7 +40,7 @@ def _overrides(root: str, run: str, common: Sequence[str], setting: str) -> list
         "+experiment=stormcast", "training.stage=regression", "logging.wandb_mode=disabled", "logging.figures=false",
         "training.log_interval=1", "training.validation_interval=1000000", "training.checkpoint_interval=1000000",
         f"data.root={root}/data", f"run.dir={root}/{run}", *common,
-        *(item for item in setting.split() if item),
+        *setting.split(),
     ]
 
 
