@@ -153,12 +153,13 @@ def parallelize(
     if mixed_precision not in _PRECISIONS:
         raise ValueError(f"mixed_precision must be one of {sorted(_PRECISIONS)}, got {mixed_precision!r}")
     domain_mesh(mesh)  # validates the axes early
-    if data_parallel == "none" and data_size(mesh) > 1:
+    replicas = data_size(mesh)
+    if data_parallel == "none" and replicas > 1:
         raise ValueError(
-            f"data_parallel='none' with {data_size(mesh)} data replicas would train diverging copies; "
+            f"data_parallel='none' with {replicas} data replicas would train diverging copies; "
             "use 'fsdp' or 'ddp', or a data axis of size 1"
         )
-    if data_size(mesh) == 1:
+    if replicas == 1:
         data_parallel = "none"
     low_precision = _PRECISIONS[mixed_precision]
     sync_module_over_mesh(model, mesh)
