@@ -25,6 +25,8 @@ __all__ = ["lower_precision", "fp32_where_autocast_does"]
 
 def lower_precision(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     """Under autocast on the first tensor's device, its fp32 tensors in the autocast dtype (None passes)."""
+    if not torch._C._is_any_autocast_enabled():  # the common case, without reading the tensors' metadata
+        return tensors
     device = next(t for t in tensors if t is not None).device.type
     if not torch.is_autocast_enabled(device):
         return tensors
@@ -37,6 +39,8 @@ def lower_precision(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None,
 
 def fp32_where_autocast_does(x: torch.Tensor, probe: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``x`` in fp32 when autocast is on and runs the op that ``probe`` calls in fp32 for ``x``'s dtype."""
+    if not torch._C._is_any_autocast_enabled():  # no metadata read (a ShardTensor's goes through __torch_function__)
+        return x
     device = x.device.type
     if x.dtype in LOW_PRECISION and torch.is_autocast_enabled(device):
         if _runs_in_fp32(probe, device, torch.get_autocast_dtype(device), x.dtype):

@@ -131,7 +131,10 @@ def spec_from_local(
 
 
 def _needs_autograd(*tensors: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if not torch.is_grad_enabled():
+        return False
+    with torch._C.DisableTorchFunctionSubclass():  # a ShardTensor's attribute, read without its __torch_function__ round trip
+        return any(t.requires_grad for t in tensors)
 
 
 def _avg_axes_size(spec: ShardTensorSpec) -> int:
@@ -266,11 +269,15 @@ def shared_local(tensor: ShardTensor) -> torch.Tensor:
     view's graph ends in the leaf's gradient accumulator, which holds the leaf, so the cache
     would keep its own key (and the leaf's slab and gradient) alive for good.
     """
-    if not _needs_autograd(tensor) or tensor.grad_fn is None or is_tracing():
+    if not torch.is_grad_enabled() or is_tracing():
+        return to_local(tensor)
+    with torch._C.DisableTorchFunctionSubclass():  # three autograd attributes, read without three __torch_function__ round trips
+        requires_grad, grad_fn, version = tensor.requires_grad, tensor.grad_fn, tensor._version
+    if not requires_grad or grad_fn is None:
         return to_local(tensor)
     slab = tensor._local_tensor
     # an in-place write moves one of the two counters: the wrapper's under autograd, else the slab's
-    versions = (slab._version, tensor._version)
+    versions = (slab._version, version)
     cached = _shared_locals.get(tensor)
     if cached is not None and cached[0] is slab and cached[1] == versions:
         return cached[2]
