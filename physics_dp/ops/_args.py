@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from ..shard_tensor import ShardTensor
+
 __all__ = ["bind", "per_dim", "single_device_shape"]
 
 
@@ -39,6 +41,9 @@ class _TensorKey:
 def _key(value: Any) -> Any:
     # Floating dtypes are unified: only the shape is wanted, and under autocast the real inputs may
     # mix bf16 activations with fp32 parameters (autocast casts them on the device, not on meta).
+    if isinstance(value, ShardTensor):  # the spec's shape and the slab's dtype: no __torch_function__ round trip
+        local = value._local_tensor
+        return _TensorKey(tuple(value._spec.shape), torch.float32 if local.is_floating_point() else local.dtype)
     if isinstance(value, torch.Tensor):
         return _TensorKey(tuple(value.shape), torch.float32 if value.is_floating_point() else value.dtype)
     if isinstance(value, (list, tuple)):

@@ -229,8 +229,9 @@ def _cached_plan(
 def _one_sharded_spatial_dim(x: ShardTensor, nd: int) -> tuple[int, int] | None:
     """(mesh axis, tensor dim) of the only sharded spatial dim of a batched input; None for
     unbatched inputs and 2-D decompositions, which take the general path."""
-    spatial_shards = [(axis, dim) for axis, dim in sharded_axes(x) if dim >= x.ndim - nd]
-    return spatial_shards[0] if x.ndim == nd + 2 and len(spatial_shards) == 1 else None
+    ndim = x._spec.ndim
+    spatial_shards = [(axis, dim) for axis, dim in sharded_axes(x) if dim >= ndim - nd]
+    return spatial_shards[0] if ndim == nd + 2 and len(spatial_shards) == 1 else None
 
 
 def _slab_plan(
@@ -295,7 +296,7 @@ def _halo_conv_plan(func: Any, bound: dict[str, Any], nd: int) -> HaloPlan | Non
     padding = _conv_padding(bound["padding"], bound["weight"].shape[2:], per_dim(bound["dilation"], nd), nd)
     if shard is None or any(left != right for left, right in padding):
         return None  # asymmetric padding takes the general path too
-    (axis, dim), i = shard, shard[1] - (x.ndim - nd)
+    (axis, dim), i = shard, shard[1] - (x._spec.ndim - nd)
     spec, stencils = x._spec, _stencils(bound, nd, [left for left, _ in padding])
     kernel, stride, dilation, _ = zip(*stencils)
     geometry = eligible_geometry(
@@ -395,9 +396,10 @@ def _conv_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:
     nd, transposed = _CONVS[func]
     bound = _bind_args(_TRANSPOSED_ARGS if transposed else _CONV_ARGS, args, kwargs)
     x = bound["input"]
-    channel_dim = x.ndim - nd - 1 if isinstance(x, torch.Tensor) else None
+    spatial_start = x._spec.ndim - nd if isinstance(x, ShardTensor) else None  # (the check refuses other inputs)
+    channel_dim = None if spatial_start is None else spatial_start - 1
     check_stencil_layout(func.__name__, x, (bound["weight"], bound["bias"]), channel_dim)
-    if not any(dim >= x.ndim - nd for _, dim in sharded_axes(x)):
+    if not any(dim >= spatial_start for _, dim in sharded_axes(x)):
         return _local_run(func, bound)
     return _conv_transpose(func, bound, nd) if transposed else _conv(func, bound, nd)
 

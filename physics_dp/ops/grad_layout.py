@@ -52,14 +52,15 @@ def _mean_through_sum(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any
     x = args[0] if args else kwargs.get("input")
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
     keepdim = bool(args[2]) if len(args) > 2 else bool(kwargs.get("keepdim", False))
-    dtype = kwargs.get("dtype") or x.dtype
-    if not (torch.is_grad_enabled() and x.requires_grad and dtype.is_floating_point) or "out" in kwargs:
+    with torch._C.DisableTorchFunctionSubclass():  # the wrapper's metadata, without a __torch_function__ round trip each
+        shape, requires_grad, dtype = x.shape, x.requires_grad, kwargs.get("dtype") or x.dtype
+    if not (torch.is_grad_enabled() and requires_grad and dtype.is_floating_point) or "out" in kwargs:
         return _keep_input_grad_layouts(func, types, args, kwargs)
     if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
-        dims = tuple(range(x.ndim))
+        dims = tuple(range(len(shape)))
     else:
-        dims = tuple(d % x.ndim for d in ((dim,) if isinstance(dim, int) else dim))
-    count = math.prod(x.shape[d] for d in dims)
+        dims = tuple(d % len(shape) for d in ((dim,) if isinstance(dim, int) else dim))
+    count = math.prod(shape[d] for d in dims)
     return (torch.sum(x, dims, keepdim=keepdim, dtype=accumulate_dtype(dtype)) / count).to(dtype)
 
 

@@ -158,7 +158,7 @@ def _stop(first: int, count: int, step: int) -> int:
 
 def _slice_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> ShardTensor:
     tensor, dim, start, end, step = (*args, *[None] * (5 - len(args)))
-    dim = kwargs.get("dim", 0 if dim is None else dim) % tensor.ndim
+    dim = kwargs.get("dim", 0 if dim is None else dim) % tensor._spec.ndim
     start = kwargs.get("start", start)
     end = kwargs.get("end", end)
     step = kwargs.get("step", 1 if step is None else step)

@@ -22,12 +22,13 @@ __all__ = ["output_order", "in_output_layout", "weight_like_output"]
 def output_order(x: ShardTensor, weight: torch.Tensor | None = None) -> tuple[int, ...] | None:
     """The dims of the output of a stencil op on ``x`` (and ``weight``, for a convolution) from
     outermost to innermost in memory where torch gives channels last, else None (row-major)."""
-    order = CHANNELS_LAST_ORDERS.get(x.ndim)
+    ndim = x._spec.ndim
+    order = CHANNELS_LAST_ORDERS.get(ndim)
     if order is None:
         return None
     if x._spec.is_channels_last():
         return order
-    if weight is not None and weight.ndim == x.ndim and channels_last_order(weight) is not None:
+    if weight is not None and weight.ndim == ndim and channels_last_order(weight) is not None:
         return order
     return None
 

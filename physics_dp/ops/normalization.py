@@ -745,16 +745,16 @@ def _group_norm(
     bias: torch.Tensor | None = None,
     eps: float = 1e-5,
 ) -> ShardTensor:
-    if input.ndim < 2:
-        raise RuntimeError(f"Expected at least 2 dimensions for input tensor but received {input.ndim}")
+    if input._spec.ndim < 2:
+        raise RuntimeError(f"Expected at least 2 dimensions for input tensor but received {input._spec.ndim}")
     x = _prepare(fp32_where_autocast_does(input, _AUTOCAST_PROBES["group_norm"]), "group_norm", channel_dim=1)
-    channels = x.shape[1]
+    channels = x._spec.shape[1]
     if channels % num_groups:
         raise RuntimeError(
             f"Expected number of channels in input to be divisible by num_groups, got {channels} and {num_groups}"
         )
     local = local_input(x)
-    spatial = tuple(range(2, x.ndim))
+    spatial = tuple(range(2, x._spec.ndim))
     if not groups_over(x, spatial):
         return _finish(F.group_norm(local, num_groups, local_param(weight, x), local_param(bias, x), eps), x, True)
     y, _, _ = _channel_norm(x, local, _StatLayout(num_groups, per_sample=True), weight, bias, spatial, eps, True)
@@ -773,16 +773,16 @@ def _batch_norm(
     eps: float = 1e-5,
 ) -> ShardTensor:
     x = _prepare(fp32_where_autocast_does(input, _AUTOCAST_PROBES["batch_norm"]), "batch_norm", channel_dim=1)
-    dims = (0, *range(2, x.ndim))
-    count = math.prod(x.shape[d] for d in dims)
+    dims = (0, *range(2, x._spec.ndim))
+    count = math.prod(x._spec.shape[d] for d in dims)
     if training:
-        _verify_values_per_channel(count, "value per channel", x.shape)
+        _verify_values_per_channel(count, "value per channel", x._spec.shape)
     local = local_input(x)
     rm, rv = _local_buffer(running_mean), _local_buffer(running_var)
     if not training or not groups_over(x, dims):
         w, b = local_param(weight, x), local_param(bias, x)
         return _finish(F.batch_norm(local, rm, rv, w, b, training, momentum, eps), x, True)
-    layout = _StatLayout(x.shape[1], per_sample=False)
+    layout = _StatLayout(x._spec.shape[1], per_sample=False)
     y, mean, var = _channel_norm(x, local, layout, weight, bias, dims, eps, True)
     _update_running(rm, rv, mean, var, count, momentum)
     return y
@@ -808,10 +808,10 @@ def _instance_norm(
     eps: float = 1e-5,
 ) -> ShardTensor:
     x = _prepare(fp32_where_autocast_does(input, _AUTOCAST_PROBES["instance_norm"]), "instance_norm", channel_dim=1)
-    dims = tuple(range(2, x.ndim))
-    count = math.prod(x.shape[d] for d in dims)
+    dims = tuple(range(2, x._spec.ndim))
+    count = math.prod(x._spec.shape[d] for d in dims)
     if use_input_stats:
-        _verify_values_per_channel(count, "spatial element", x.shape)
+        _verify_values_per_channel(count, "spatial element", x._spec.shape)
     local = local_input(x)
     rm, rv = _local_buffer(running_mean), _local_buffer(running_var)
     tracks_running = rm is not None or rv is not None
@@ -821,7 +821,7 @@ def _instance_norm(
         if not use_input_stats:  # running statistics per channel: batch norm's eval transform, local
             return _finish(F.batch_norm(local, rm, rv, w, b, False, momentum, eps), x)
         return _finish(F.instance_norm(local, rm, rv, w, b, True, momentum, eps), x)
-    layout = _StatLayout(x.shape[1], per_sample=True)
+    layout = _StatLayout(x._spec.shape[1], per_sample=True)
     y, mean, var = _channel_norm(x, local, layout, weight, bias, dims, eps, False)
     if tracks_running:
         _update_running(rm, rv, _batch_average(mean, x), _batch_average(var, x), count, momentum)
@@ -848,16 +848,17 @@ def _layer_norm(
     eps: float = 1e-5,
 ) -> ShardTensor:
     normalized_shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    first = input.ndim - len(normalized_shape)
-    if first < 0 or tuple(input.shape[first:]) != normalized_shape:
+    shape = input._spec.shape
+    first = len(shape) - len(normalized_shape)
+    if first < 0 or tuple(shape[first:]) != normalized_shape:
         raise RuntimeError(
             f"Given normalized_shape={list(normalized_shape)}, expected input with shape [*, "
-            f"{', '.join(map(str, normalized_shape))}], but got input of size{list(input.shape)}"
+            f"{', '.join(map(str, normalized_shape))}], but got input of size{list(shape)}"
         )
     x = _prepare(fp32_where_autocast_does(input, _AUTOCAST_PROBES["layer_norm"]), "layer_norm", channel_dim=None)
     local = local_input(x)
     w, b = local_param(weight, x), local_param(bias, x)
-    dims = tuple(range(first, x.ndim))
+    dims = tuple(range(first, len(shape)))
     groups = groups_over(x, dims)
     if not groups:
         return _finish(F.layer_norm(local, normalized_shape, w, b, eps), x)

@@ -90,7 +90,7 @@ def _output_spec(args: tuple, kwargs: dict) -> ShardTensorSpec | None:
     """The spec of the first operand that has the output's shape and that some mesh axis splits:
     the output's layout (None if there is none, or if an operand has a pending reduction)."""
     values = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
-    shape = _broadcast_shape([v.shape for v in values])
+    shape = _broadcast_shape([v._spec.shape if isinstance(v, ShardTensor) else v.shape for v in values])
     if shape is None:
         return None
     chosen = None
@@ -167,8 +167,8 @@ _KEYED_BY_VALUE = (bool, str, type(None), torch.dtype, torch.memory_format)
 def _layout_key(value: Any) -> Any:
     """What of an operand decides the result's layout: a tensor's global shape, stride and dtype;
     a flag's value; a number's type only (its value never moves a stride)."""
-    if isinstance(value, ShardTensor):
-        return (value.shape, value._spec.stride, value.dtype)
+    if isinstance(value, ShardTensor):  # read off the spec and slab: no __torch_function__ round trip
+        return (value._spec.shape, value._spec.stride, value._local_tensor.dtype)
     if isinstance(value, torch.Tensor):
         return (value.shape, value.stride(), value.dtype)
     if isinstance(value, (list, tuple)):

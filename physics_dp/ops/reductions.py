@@ -128,7 +128,7 @@ def _run_locally(op: torch._ops.OpOverload, plan: _Plan, args: tuple, kwargs: di
 
 def _needs_no_communication(plan: _Plan) -> bool:
     """No reduced dim is sharded, or the reduction is empty (torch raises or returns its identity)."""
-    return not plan.groups or math.prod(plan.tensor.shape[d] for d in plan.dims) == 0
+    return not plan.groups or math.prod(plan.tensor._spec.shape[d] for d in plan.dims) == 0
 
 
 def _refuse_complex(op: torch._ops.OpOverload, plan: _Plan) -> None:
@@ -188,7 +188,7 @@ def _mean(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> ShardTensor:
             f"Got: {dtype}"
         )
     total = torch.sum(plan.local, plan.dims, keepdim=True, dtype=accumulate_dtype(dtype))
-    count = math.prod(plan.tensor.shape[d] for d in plan.dims)
+    count = math.prod(plan.tensor._spec.shape[d] for d in plan.dims)
     return plan.wrap((_all_reduce(total, "sum", plan.groups) / count).to(dtype))
 
 

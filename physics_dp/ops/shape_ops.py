@@ -287,7 +287,9 @@ def _cat_keeping_grad_layouts(func: Any, types: tuple, args: tuple, kwargs: dict
     dim = args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis", 0))
     if torch.is_grad_enabled() and isinstance(tensors, (list, tuple)) and isinstance(dim, int):
         sharded = [t for t in tensors if isinstance(t, ShardTensor)]
-        if sharded and any(t.requires_grad and Shard(dim % t.ndim) in t.placements for t in sharded if t.ndim):
+        with torch._C.DisableTorchFunctionSubclass():  # requires_grad without a __torch_function__ round trip each
+            needing_grad = [t for t in sharded if t.requires_grad]
+        if any(Shard(dim % t._spec.ndim) in t.placements for t in needing_grad if t._spec.ndim):
             kept = [keep_grad_layout(t) if isinstance(t, ShardTensor) else t for t in tensors]
             if args:
                 args = (kept, *args[1:])

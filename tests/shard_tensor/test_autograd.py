@@ -432,39 +432,3 @@ def test_checkpointing_a_block_that_reads_its_input_twice(reentrant: bool) -> No
     for diffs in run_on_ranks(2, _checkpointed_reads_of_one_tensor, reentrant):
         assert max(diffs) == 0.0, diffs
 
-
-def _torch_function_calls_of_conversions(world: int) -> dict[str, int]:
-    """``__torch_function__`` calls made by a handler's conversions of a ShardTensor (a leaf and an
-    activation) and by the autocast checks, autocast off: each costs a Python round trip per op."""
-    from physics_dp.ops.autocast import fp32_where_autocast_does, lower_precision
-    from physics_dp.shard_tensor import dispatch
-    from physics_dp.shard_tensor.conversions import to_local
-
-    leaf = distribute_tensor(torch.randn(3, 2 * world), get_mesh((world,)), [Shard(1)]).requires_grad_()
-    activation = leaf * 2
-    calls = {"conversions": 0, "autocast checks": 0}
-    counting = "conversions"
-    original = ShardTensor.__torch_function__.__func__
-
-    def counted(cls, func, types, args=(), kwargs=None):
-        calls[counting] += 1
-        return original(cls, func, types, args, kwargs)
-
-    ShardTensor.__torch_function__ = classmethod(counted)
-    try:
-        locals_ = [shared_local(activation), shared_local(activation), shared_local(leaf), to_local(activation)]
-        counting = "autocast checks"
-        fp32_where_autocast_does(activation, torch.exp)
-        lower_precision(activation, None)
-    finally:
-        ShardTensor.__torch_function__ = classmethod(original)
-    assert ShardTensor.__torch_function__.__func__ is dispatch.torch_function  # restored
-    assert all(local.grad_fn is not None for local in locals_)  # every conversion is in the graph
-    return calls
-
-
-def test_conversions_read_autograd_state_without_torch_function_round_trips():
-    """Every op handler converts its inputs: reading ``requires_grad``, ``grad_fn`` and ``_version``
-    through ``__torch_function__`` cost about 1 us each warm, some 300 calls per StormCast lite step."""
-    for calls in run_on_ranks(2, _torch_function_calls_of_conversions, 2):
-        assert calls == {"conversions": 0, "autocast checks": 0}, calls

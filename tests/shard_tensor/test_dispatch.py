@@ -183,3 +183,54 @@ def _metadata_reads_skip_the_handlers():
 
 def test_metadata_reads_answer_from_the_wrapper_without_the_handler_lookup():
     assert all(run_on_ranks(2, _metadata_reads_skip_the_handlers))
+
+
+def _metadata_round_trips_in_handlers(sizes: list[int]) -> dict[str, int]:
+    """Per op (forward and backward), the metadata reads that physics_dp's own code sent through
+    ``__torch_function__`` (the wrapper's getter, a Python round trip), by the reading module."""
+    import sys
+
+    mesh = get_mesh((len(sizes),))
+    torch.manual_seed(0)
+    weight = torch.randn(4, 4, 3, 3, requires_grad=True)
+    norm_weight, norm_bias = torch.ones(4, requires_grad=True), torch.zeros(4, requires_grad=True)
+    ops = {
+        "conv2d": lambda t: F.conv2d(t, weight, padding=1),
+        "group_norm": lambda t: F.group_norm(t, 2, norm_weight, norm_bias),
+        "layer_norm": lambda t: F.layer_norm(t, t.shape[1:]),
+        "batch_norm": lambda t: F.batch_norm(t, None, None, norm_weight, norm_bias, training=True),
+        "cat": lambda t: torch.cat([t, t * 2], 1),
+        "mean": lambda t: t.mean((2, 3)),
+        "broadcast add": lambda t: t + norm_bias.view(4, 1, 1),
+    }
+    leaf = distribute_tensor(global_tensor((2, 4, sum(sizes), 5)), mesh, [Shard(2)], {0: sizes}).requires_grad_()
+    reads = dict.fromkeys(ops, 0)
+    counting = None
+    original = ShardTensor.__torch_function__.__func__
+
+    def counted(cls, func, types, args=(), kwargs=None):
+        reader = sys._getframe(1).f_globals.get("__name__", "")
+        if counting and type(func).__name__ == "method-wrapper" and reader.startswith("physics_dp"):
+            reads[counting] += 1
+        return original(cls, func, types, args, kwargs)
+
+    ShardTensor.__torch_function__ = classmethod(counted)
+    try:
+        for name, op in ops.items():
+            activation = leaf * 1.5  # an activation, not a leaf: the conversions cache it
+            counting = name
+            out = op(activation)
+            out.backward(torch.ones_like(out))
+            counting = None
+    finally:
+        ShardTensor.__torch_function__ = classmethod(original)
+    return reads
+
+
+@pytest.mark.parametrize("sizes", [[4, 3], [3, 2, 4]], ids=["2 ranks uneven", "3 ranks"])
+def test_handlers_read_metadata_off_the_spec_not_through_torch_function(sizes):
+    """A read of ``x.shape`` or ``x.requires_grad`` on a ShardTensor is a Python round trip through
+    ``__torch_function__`` (about 1 us warm against 0.05 on a plain tensor). The handlers' own
+    reads once made 798 of them per StormCast lite step; they now read the spec and the slab."""
+    for reads in run_on_ranks(len(sizes), _metadata_round_trips_in_handlers, sizes):
+        assert reads == dict.fromkeys(reads, 0), reads
