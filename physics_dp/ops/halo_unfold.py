@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
-from .halo import exchange_boundary_rows, received_rows, start_edge_exchange, with_extent
+from .halo import exchange_boundary_rows, received_rows, start_edge_exchange
 from .pooling import Stencil
 
 __all__ = ["HaloUnfoldGeometry", "halo_unfold_geometry", "halo_unfold", "halo_fold"]
@@ -106,27 +106,34 @@ def _rewrite_positions(positions: torch.Tensor, first: int, strip: torch.Tensor,
 def _fold_with_halos(
     cols: torch.Tensor, extents: tuple[int, int], geometry: HaloUnfoldGeometry, group: ProcessGroup
 ) -> torch.Tensor:
-    """col2im of this rank's positions into its rows (``extents``), with what the neighbours' boundary positions add to its edge rows."""
-    out = F.fold(cols, extents, geometry.kernel, geometry.dilation, geometry.padding, geometry.stride)
+    """col2im of this rank's positions into its rows (``extents``), with what the neighbours' boundary positions add to its edge rows.
+
+    The neighbours' strips come first (small): they travel while the slab's col2im runs, and a
+    neighbour that runs late is waited for only after it (folding the slab first, then sending,
+    left each rank waiting for the other's whole col2im: ``_HaloFold`` took 574 us per call of
+    Python-side waiting at (1, 16, 128, 128) on 2 ranks)."""
+    def fold(positions: torch.Tensor, rows: Sequence[int], padding: tuple[int, ...]) -> torch.Tensor:
+        return F.fold(positions, rows, geometry.kernel, geometry.dilation, padding, geometry.stride)
+
     p = geometry.halo
     if not p or not (geometry.has_prev or geometry.has_next):
-        return out
-    dim = out.ndim - 2 + geometry.sharded
-    extent = out.shape[dim]
+        return fold(cols, extents, geometry.padding)
+    dim = cols.ndim - 1 + geometry.sharded  # of the output and of the positions grid alike
+    extent = extents[geometry.sharded]
     positions = cols.unflatten(-1, geometry.grid(extents, geometry.padding))
     strip_extents = list(extents)
     strip_extents[geometry.sharded] = 3 * p
 
     def beyond(first: int, keep: int) -> torch.Tensor:
         """What positions ``first .. first + p`` add to the ``p`` rows from strip row ``keep`` (outside the slab)."""
-        strip = positions.narrow(dim, first, p).flatten(-2)
-        folded = F.fold(strip, strip_extents, geometry.kernel, geometry.dilation, geometry.strip_padding(), geometry.stride)
-        return folded.narrow(dim, keep, p)
+        return fold(positions.narrow(dim, first, p).flatten(-2), strip_extents, geometry.strip_padding()).narrow(dim, keep, p)
 
     to_prev = beyond(0, 0) if geometry.has_prev else None
     to_next = beyond(extent - p, 2 * p) if geometry.has_next else None
     count_prev, count_next = p if geometry.has_prev else 0, p if geometry.has_next else 0
-    pending = start_edge_exchange(to_prev, to_next, with_extent(out.shape, dim, p), count_prev, count_next, dim, group, out)
+    rows_shape = (to_prev if to_prev is not None else to_next).shape  # what each neighbour sends back: p rows alike
+    pending = start_edge_exchange(to_prev, to_next, rows_shape, count_prev, count_next, dim, group, cols)
+    out = fold(cols, extents, geometry.padding)
     from_prev, from_next = received_rows(pending, group)
     if from_prev is not None:
         out.narrow(dim, 0, p).add_(from_prev)
