@@ -431,4 +431,3 @@ def _checkpointed_reads_of_one_tensor(reentrant: bool) -> list[float]:
 def test_checkpointing_a_block_that_reads_its_input_twice(reentrant: bool) -> None:
     for diffs in run_on_ranks(2, _checkpointed_reads_of_one_tensor, reentrant):
         assert max(diffs) == 0.0, diffs
-
