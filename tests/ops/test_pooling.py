@@ -259,6 +259,14 @@ def test_pool_takes_no_slice_of_the_slab_along_a_whole_dim():
             assert not any(name.startswith(("SliceBackward", "NarrowBackward")) for name in names), (pool, names)
 
 
+def test_an_aligned_pool_builds_no_window_gather_node():
+    # every window inside its own slab: no rows move, so no gather Function (forward and backward) either
+    for names in run_on_ranks(2, _graph_nodes, nn.AvgPool2d(2)):
+        assert not any(name.startswith("_GatherWindow") for name in names), names
+    for names in run_on_ranks(2, _graph_nodes, nn.MaxPool2d(3, 1, 1)):  # a halo: the gather stays
+        assert any(name.startswith("_GatherWindow") for name in names), names
+
+
 def test_pool_on_2x2_mesh_sends_rows_then_columns_with_corners():
     # (2, 3, 12, 8) split 6+6 over H and 4+4 over W, k=3 s=1 p=1: one row of N*C*4, then one
     # column of N*C*(6 + 1 halo row); rows beyond the grid are filled locally, never sent.
