@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -186,10 +188,8 @@ def test_metadata_reads_answer_from_the_wrapper_without_the_handler_lookup():
 
 
 def _metadata_round_trips_in_handlers(sizes: list[int]) -> dict[str, int]:
-    """Per op (forward and backward), the metadata reads that physics_dp's own code sent through
-    ``__torch_function__`` (the wrapper's getter, a Python round trip), by the reading module."""
-    import sys
-
+    """Per op (forward and backward), how many metadata reads physics_dp's own code sent through
+    ``__torch_function__`` (the wrapper's getter, a Python round trip)."""
     mesh = get_mesh((len(sizes),))
     torch.manual_seed(0)
     weight = torch.randn(4, 4, 3, 3, requires_grad=True)
