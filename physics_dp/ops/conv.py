@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ..shard_tensor import Partial, Replicate, ShardTensor, ShardTensorSpec
 from ._args import bind, per_dim, single_device_shape
-from ._local import ShardedOpError, local_input, local_param, sharded_axes, wrap_local, wrap_local_as
+from ._local import ShardedOpError, local_input, local_param, sharded_axes, wrap_local
 from .call_plans import HaloPlan, PlanCache, hashable, layout_key
 from .memory_format import in_output_layout, output_order, weight_like_output
 from .halo import Window, gather_window
@@ -248,11 +248,11 @@ def _slab_plan(
 
 
 def _run_plan(plan: HaloPlan, op: Callable, bound: dict[str, Any]) -> ShardTensor:
-    """``op(slab, weight, bias, geometry, group)`` wrapped with the plan's output spec."""
+    """``op(slab, weight, bias, geometry, group, out_spec)``: the ShardTensor of the plan's output spec."""
     x = bound["input"]
     weight = weight_like_output(local_param(bound["weight"], x), plan.out_spec)
-    local = op(local_input(x), weight, local_param(bound["bias"], x), plan.geometry, x.device_mesh.get_group(plan.axis))
-    return wrap_local_as(local, plan.out_spec)
+    group = x.device_mesh.get_group(plan.axis)
+    return op(local_input(x), weight, local_param(bound["bias"], x), plan.geometry, group, plan.out_spec)
 
 
 # ----- convolution ----------------------------------------------------------------------------

@@ -37,11 +37,15 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
+from ..shard_tensor import ShardTensor, ShardTensorSpec
+from ..shard_tensor.conversions import function_output, slab_gradient
+from ..shard_tensor.spec import in_spec_order
+from ._local import wrap_local_as
 from .autocast import lower_precision
 from .halo import gather_window, received_rows, start_edge_exchange, uniform_windows, with_extent
 from .grad_sums import creating_graph
 
-__all__ = ["HaloConvGeometry", "HaloStrip", "halo_conv", "differentiated_rerun", "in_input_dtypes"]
+__all__ = ["HaloConvGeometry", "HaloStrip", "halo_conv", "differentiated_rerun", "in_input_dtypes", "sharded_output"]
 
 _CONV_BY_DIMS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
@@ -179,8 +183,8 @@ class _HaloConv(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx, local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geometry: HaloConvGeometry,
-        group: ProcessGroup,
-    ) -> torch.Tensor:
+        group: ProcessGroup, out_spec: ShardTensorSpec,
+    ) -> ShardTensor:
         conv = _CONV_BY_DIMS[local.ndim - 2]
         dim = geometry.dim
         ctx.dtypes = (local.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -196,10 +200,11 @@ class _HaloConv(torch.autograd.Function):
             strips.append(strip)
         ctx.save_for_backward(local, weight, *strips)
         ctx.geometry, ctx.group, ctx.has_bias = geometry, group, bias is not None
-        return y
+        return sharded_output(ctx, y, out_spec)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        grad = slab_gradient(grad, ctx.out_spec)
         if creating_graph():  # a backward that autograd can differentiate again
             return _differentiable_backward(ctx, grad)
         local, weight, *strips = ctx.saved_tensors
@@ -266,7 +271,7 @@ def differentiated_rerun(ctx, grad: torch.Tensor, rerun: Callable[[torch.Tensor,
     grad_bias = None
     if ctx.has_bias and ctx.needs_input_grad[2]:
         grad_bias = grad.sum([d for d in range(grad.ndim) if d != 1]).to(bias_dtype)
-    return grad_input, grad_weight, grad_bias, None, None
+    return grad_input, grad_weight, grad_bias, None, None, None
 
 
 def in_input_dtypes(ctx, grad_input: torch.Tensor | None, grad_weight: torch.Tensor | None, grad_bias: torch.Tensor | None) -> tuple:
@@ -278,14 +283,24 @@ def in_input_dtypes(ctx, grad_input: torch.Tensor | None, grad_weight: torch.Ten
         None if grad_bias is None else grad_bias.to(bias_dtype),
         None,
         None,
+        None,
     )
 
 
+def sharded_output(ctx, y: torch.Tensor, out_spec: ShardTensorSpec) -> ShardTensor:
+    """A halo op's result ``y`` as the ShardTensor of ``out_spec``, returned by its Function itself: one
+    autograd node per op, not a conversion node after it (its backward takes the slab's gradient
+    back with :func:`slab_gradient`)."""
+    ctx.out_spec = out_spec
+    return function_output(in_spec_order(y, out_spec), out_spec)
+
+
 def halo_conv(
-    local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geometry: HaloConvGeometry, group: ProcessGroup
-) -> torch.Tensor:
-    """The 'same' convolution of the global tensor, on this rank's slab (see the module docstring);
-    ``group`` is the process group that splits ``geometry.dim``.
+    local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geometry: HaloConvGeometry, group: ProcessGroup,
+    out_spec: ShardTensorSpec,
+) -> ShardTensor:
+    """The 'same' convolution of the global tensor, on this rank's slab (see the module docstring), as
+    the ShardTensor of ``out_spec``; ``group`` is the process group that splits ``geometry.dim``.
 
     A kernel of one row along it reads no neighbour's rows: torch's own op on the slab, under
     torch's autograd (through the Function a sharded 1x1 convolution's forward took 372 us with cold
@@ -293,8 +308,8 @@ def halo_conv(
     """
     if not geometry.reads_neighbours:
         conv = _CONV_BY_DIMS[local.ndim - 2]
-        return conv(local, weight, bias, geometry.stride, geometry.padding, geometry.dilation, geometry.groups)
-    return _HaloConv.apply(local, weight, bias, geometry, group)
+        return wrap_local_as(conv(local, weight, bias, geometry.stride, geometry.padding, geometry.dilation, geometry.groups), out_spec)
+    return _HaloConv.apply(local, weight, bias, geometry, group, out_spec)
 
 
 def eligible_geometry(

@@ -29,10 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
+from ..shard_tensor import ShardTensor, ShardTensorSpec
+from ..shard_tensor.conversions import slab_gradient
 from .grad_sums import creating_graph
 from .halo import exchange_boundary_rows, gather_window, received_rows, uniform_windows, with_extent
 from .autocast import lower_precision
-from .halo_conv import differentiated_rerun, in_input_dtypes
+from .halo_conv import differentiated_rerun, in_input_dtypes, sharded_output
 
 __all__ = ["TransposedHaloGeometry", "eligible_transposed_geometry", "halo_conv_transpose"]
 
@@ -173,8 +175,8 @@ class _HaloConvTranspose(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx, local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geometry: TransposedHaloGeometry,
-        group: ProcessGroup,
-    ) -> torch.Tensor:
+        group: ProcessGroup, out_spec: ShardTensorSpec,
+    ) -> ShardTensor:
         ctx.dtypes = (local.dtype, weight.dtype, None if bias is None else bias.dtype)
         local, weight, bias = lower_precision(local, weight, bias)  # the backward then sees one dtype
         dim, before, after = geometry.dim, geometry.before_window(), geometry.after_window()
@@ -194,10 +196,11 @@ class _HaloConvTranspose(torch.autograd.Function):
         ctx.save_for_backward(local, weight, *(halo for halo, _, _ in halos))
         ctx.placements = tuple((window, start) for _, window, start in halos)
         ctx.geometry, ctx.group, ctx.has_bias = geometry, group, bias is not None
-        return y
+        return sharded_output(ctx, y, out_spec)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        grad = slab_gradient(grad, ctx.out_spec)
         if creating_graph():  # a backward that autograd can differentiate again
             return _differentiable_backward(ctx, grad)
         local, weight, *halos = ctx.saved_tensors
@@ -253,8 +256,8 @@ def _differentiable_backward(ctx, grad: torch.Tensor) -> tuple:
 
 def halo_conv_transpose(
     local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geometry: TransposedHaloGeometry,
-    group: ProcessGroup,
-) -> torch.Tensor:
-    """The transposed convolution of the global tensor, on this rank's slab (see the module docstring);
-    ``group`` is the process group that splits ``geometry.dim``."""
-    return _HaloConvTranspose.apply(local, weight, bias, geometry, group)
+    group: ProcessGroup, out_spec: ShardTensorSpec,
+) -> ShardTensor:
+    """The transposed convolution of the global tensor, on this rank's slab (see the module docstring),
+    as the ShardTensor of ``out_spec``; ``group`` is the process group that splits ``geometry.dim``."""
+    return _HaloConvTranspose.apply(local, weight, bias, geometry, group, out_spec)
