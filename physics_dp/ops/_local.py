@@ -18,9 +18,10 @@ from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
 from ..shard_tensor import Replicate, Shard, ShardTensor, ShardTensorSpec
-from ..shard_tensor.conversions import from_local_with_spec, shared_local, to_local
+from ..shard_tensor.conversions import from_local_with_spec, function_output, shared_local, to_local
 from ..shard_tensor.dtensor_params import is_dtensor_param, local_replica
 from ..shard_tensor.redistribute import redistribute_local
+from ..shard_tensor.spec import in_spec_order
 from .grad_sums import SumGradOverGroups
 from .memory_format import in_output_layout
 
@@ -29,6 +30,7 @@ __all__ = [
     "local_param",
     "wrap_local",
     "wrap_local_as",
+    "sharded_output",
     "sharded_axes",
     "data_axes",
     "sum_grad_over_axes",
@@ -119,6 +121,14 @@ def wrap_local_as(local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
     if spec.local_shape() != local.shape:
         raise RuntimeError(f"local result of shape {tuple(local.shape)} does not match {spec}: a bug in the op handler")
     return from_local_with_spec(local, spec)
+
+
+def sharded_output(ctx, y: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
+    """An op Function's result ``y`` as the ShardTensor of ``spec``, returned by the Function itself: one
+    autograd node per op, not a conversion node after it (its backward takes the slab's gradient
+    back with ``conversions.slab_gradient(grad, ctx.out_spec)``)."""
+    ctx.out_spec = spec
+    return function_output(in_spec_order(y, spec), spec)
 
 
 # ----- aten-level handlers (below autograd): slabs in, ShardTensors out ------------------------

@@ -38,14 +38,13 @@ from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
 from ..shard_tensor import ShardTensor, ShardTensorSpec
-from ..shard_tensor.conversions import function_output, slab_gradient
-from ..shard_tensor.spec import in_spec_order
-from ._local import wrap_local_as
+from ..shard_tensor.conversions import slab_gradient
+from ._local import sharded_output, wrap_local_as
 from .autocast import lower_precision
 from .halo import gather_window, received_rows, start_edge_exchange, uniform_windows, with_extent
 from .grad_sums import creating_graph
 
-__all__ = ["HaloConvGeometry", "HaloStrip", "halo_conv", "differentiated_rerun", "in_input_dtypes", "sharded_output"]
+__all__ = ["HaloConvGeometry", "HaloStrip", "halo_conv", "differentiated_rerun", "in_input_dtypes"]
 
 _CONV_BY_DIMS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
@@ -285,14 +284,6 @@ def in_input_dtypes(ctx, grad_input: torch.Tensor | None, grad_weight: torch.Ten
         None,
         None,
     )
-
-
-def sharded_output(ctx, y: torch.Tensor, out_spec: ShardTensorSpec) -> ShardTensor:
-    """A halo op's result ``y`` as the ShardTensor of ``out_spec``, returned by its Function itself: one
-    autograd node per op, not a conversion node after it (its backward takes the slab's gradient
-    back with :func:`slab_gradient`)."""
-    ctx.out_spec = out_spec
-    return function_output(in_spec_order(y, out_spec), out_spec)
 
 
 def halo_conv(

@@ -34,7 +34,8 @@ from ..shard_tensor.conversions import slab_gradient
 from .grad_sums import creating_graph
 from .halo import exchange_boundary_rows, gather_window, received_rows, uniform_windows, with_extent
 from .autocast import lower_precision
-from .halo_conv import differentiated_rerun, in_input_dtypes, sharded_output
+from ._local import sharded_output
+from .halo_conv import differentiated_rerun, in_input_dtypes
 
 __all__ = ["TransposedHaloGeometry", "eligible_transposed_geometry", "halo_conv_transpose"]
 

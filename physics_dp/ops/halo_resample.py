@@ -23,6 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
+from ..shard_tensor import ShardTensor, ShardTensorSpec
+from ..shard_tensor.conversions import slab_gradient
+from ._local import sharded_output
 from .grad_sums import creating_graph
 from .halo import exchange_boundary_rows, gather_window, received_rows, start_edge_exchange, with_extent
 from .indexing import offsets
@@ -90,7 +93,9 @@ def _taken_by_neighbours(geometry: ResampleGeometry) -> tuple[int, int]:
 
 class _HaloResample(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, local: torch.Tensor, geometry: ResampleGeometry, group: ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx, local: torch.Tensor, geometry: ResampleGeometry, group: ProcessGroup, out_spec: ShardTensorSpec
+    ) -> ShardTensor:
         dim, plan = geometry.dim, geometry.mine
         extent = local.shape[dim]
         first, last = _taken_by_neighbours(geometry)
@@ -106,14 +111,15 @@ class _HaloResample(torch.autograd.Function):
             window = torch.cat([local.narrow(dim, extent - inner_bottom, inner_bottom), from_next], dim)
             y.narrow(dim, y.shape[dim] - bottom, bottom).copy_(_resize(window, geometry).narrow(dim, k * inner_bottom - bottom, bottom))
         ctx.geometry, ctx.group, ctx.input_shape = geometry, group, local.shape
-        return y
+        return sharded_output(ctx, y, out_spec)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        grad = slab_gradient(grad, ctx.out_spec)
         geometry: ResampleGeometry = ctx.geometry
         shape = ctx.input_shape
         if creating_graph():
-            return _differentiable_backward(shape, grad, geometry, ctx.group), None, None
+            return _differentiable_backward(shape, grad, geometry, ctx.group), None, None, None
         dim, plan = geometry.dim, geometry.mine
         extent, out_extent = shape[dim], grad.shape[dim]
         (top, bottom), (halo_top, halo_bottom), (inner_top, inner_bottom) = plan.wrong, plan.halo, plan.inner
@@ -138,7 +144,7 @@ class _HaloResample(torch.autograd.Function):
             grad_input.narrow(dim, 0, receive[0]).add_(from_prev)
         if from_next is not None:
             grad_input.narrow(dim, extent - receive[1], receive[1]).add_(from_next)
-        return grad_input, None, None
+        return grad_input, None, None, None
 
 
 def _border_backward(
@@ -183,7 +189,7 @@ def _differentiable_backward(shape: torch.Size, grad: torch.Tensor, geometry: Re
     return grad_input
 
 
-def halo_resample(local: torch.Tensor, geometry: ResampleGeometry, group: ProcessGroup) -> torch.Tensor:
+def halo_resample(local: torch.Tensor, geometry: ResampleGeometry, group: ProcessGroup, out_spec: ShardTensorSpec) -> ShardTensor:
     """torch's resize of the global tensor, this rank's output rows, from its slab (see the module
-    docstring); ``group`` is the process group that splits ``geometry.dim``."""
-    return _HaloResample.apply(local, geometry, group)
+    docstring), as the ShardTensor of ``out_spec``; ``group`` is the process group that splits ``geometry.dim``."""
+    return _HaloResample.apply(local, geometry, group, out_spec)

@@ -387,14 +387,15 @@ def _halo_output_nodes(world):
     mesh = get_mesh((world,))
     x = distribute_tensor(torch.randn(2, 3, 12, 4), mesh, [Shard(2)]).requires_grad_(True)
     h = x * 1.5  # an activation, as in a network
-    return [type(layer(h).grad_fn).__name__ for layer in (nn.Conv2d(3, 4, 3, padding=1), nn.ConvTranspose2d(3, 4, 4, 2, 1))]
+    layers = (nn.Conv2d(3, 4, 3, padding=1), nn.ConvTranspose2d(3, 4, 4, 2, 1), nn.Upsample(scale_factor=2, mode="bilinear"))
+    return [type(layer(h).grad_fn).__name__ for layer in layers]
 
 
 def test_a_halo_convolution_is_one_autograd_node():
     """The halo Functions return their output ShardTensor themselves, as the norms do: no conversion
-    node after them, which cost tens of microseconds per convolution forward and again backward."""
+    node after them, which cost tens of microseconds per op forward and again backward."""
     for nodes in run_on_ranks(3, _halo_output_nodes, 3):
-        assert nodes == ["_HaloConvBackward", "_HaloConvTransposeBackward"], nodes
+        assert nodes == ["_HaloConvBackward", "_HaloConvTransposeBackward", "_HaloResampleBackward"], nodes
 
 
 # ----- unsupported layouts ------------------------------------------------------------------------
