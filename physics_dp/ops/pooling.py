@@ -45,7 +45,7 @@ from ._args import bind, per_dim, single_device_shape
 from ._local import local_input, sharded_axes, wrap_local
 from .memory_format import output_order
 from .conv import check_stencil_layout, window_inside, window_outside, conv_output_split, conv_windows
-from .halo import Window, gather_window
+from .halo import Window, gather_window, uniform_windows
 from .indexing import offsets
 
 __all__ = [
@@ -153,15 +153,10 @@ def gather_inside(local: torch.Tensor, x: ShardTensor, splits: Sequence[DimSplit
         if split.axis is None:
             if (lo, hi) != (0, local.shape[split.dim]):  # a whole dim is not narrowed: its slice's backward zero-fills the slab
                 local = local.narrow(split.dim, lo, hi - lo)
-        elif inside != _slab_rows(split.sizes):  # (every window its own slab: nothing moves, no gather node)
+        elif inside != uniform_windows(split.sizes, 0, 0):  # (every window its own slab: nothing moves, no gather node)
             group = x.device_mesh.get_group(split.axis)
             local = gather_window(local, split.dim, split.sizes, inside, group=group)
     return local
-
-
-def _slab_rows(sizes: Sequence[int]) -> tuple[Window, ...]:
-    """Each rank's own rows of a dim split into ``sizes``, as windows."""
-    return tuple((start, start + size) for start, size in zip(offsets(sizes), sizes))
 
 
 def run_planewise(op: Callable[[torch.Tensor], Any], local: torch.Tensor, nd: int) -> Any:
