@@ -103,26 +103,18 @@ def shutdown_pools() -> None:
 
 
 def get_mesh(shape: tuple[int, ...], names: tuple[str, ...] | None = None):
-    """Inside a rank function: a DeviceMesh of ``shape`` over the pool, cached per worker.
+    """Inside a rank function: a DeviceMesh of ``shape`` over the pool.
 
-    Building a mesh creates process groups (a collective rendezvous per mesh axis); caching by
-    (shape, names) lets hundreds of cases share a handful of groups. Default names follow
-    ``physics_dp.distributed.default_axis_names``. Every rank must call it (it is collective on a miss).
+    ``build_device_mesh`` keeps one mesh per (shape, names), so hundreds of cases share a handful
+    of process groups. Default names follow ``physics_dp.distributed.default_axis_names``. Every
+    rank must call it (it is collective the first time).
     """
-    import torch.distributed as dist
-
     from physics_dp.distributed import build_device_mesh
 
-    key = (tuple(shape), None if names is None else tuple(names))
-    world, mesh = _MESH_CACHE.get(key, (None, None))
-    if mesh is None or world is not dist.group.WORLD:  # a re-initialized process group voids old meshes
-        mesh = build_device_mesh(*key)
-        _MESH_CACHE[key] = (dist.group.WORLD, mesh)
-    return mesh
+    return build_device_mesh(tuple(shape), None if names is None else tuple(names))
 
 
 _POOLS: dict[int, _RankPool] = {}
-_MESH_CACHE: dict[tuple, Any] = {}
 atexit.register(shutdown_pools)
 
 
