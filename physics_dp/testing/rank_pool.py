@@ -27,6 +27,7 @@ import atexit
 import faulthandler
 import os
 import pickle
+import re
 import shutil
 import signal
 import socket
@@ -36,7 +37,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from multiprocessing import connection, get_all_start_methods, get_context
 from multiprocessing.context import BaseContext
 from multiprocessing.connection import Connection
@@ -262,6 +263,9 @@ class _RankPool:
             tail = output[rank][-OUTPUT_TAIL_CHARS:]
             cut = " (its end)" if len(tail) < len(output[rank]) else ""
             lines.append(f"\n----- rank {rank} stdout and stderr during the task{cut} -----\n{tail.rstrip()}")
+        if errors:  # last, so a log cut in the middle (CI excerpts) still shows what happened
+            lines.append("\n----- in short -----")
+            lines.extend(f"rank {rank}: {_gist(errors[rank])}" for rank in sorted(errors))
         raise RankFailure("\n".join(lines), errors, stuck, stacks)
 
     def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
@@ -344,6 +348,29 @@ def _patched_environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _gist(error: str) -> str:
+    """One line of a rank's error: the exception a traceback ends with, or for a dead worker its
+    exit code's signal, faulthandler's verdict and the innermost frame of the crashing thread."""
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+    if not lines[0].startswith("worker process died"):
+        return lines[-1]
+    parts = [lines[0]]
+    code = re.search(r"exit code (-\d+)", lines[0])
+    if code:
+        with suppress(ValueError):
+            parts.append(signal.Signals(-int(code.group(1))).name)
+    parts += [line for line in lines if line.startswith("Fatal Python error")][:1]
+    current = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), None)
+    if current is not None:
+        frames = [_FRAME.sub(r"\1:\2 \3", line) for line in lines[current + 1 : current + 1 + _GIST_FRAMES]]
+        parts.append("crashing thread at " + " < ".join(frames))
+    return "; ".join(parts)
+
+
+_FRAME = re.compile(r'File "(?:.*/)?([^/"]+)", line (\d+) in (\S+)')  # a faulthandler frame, compacted
+_GIST_FRAMES = 4
 
 
 def _worker_main(rank: int, world_size: int, port: int, conn: Connection, stack_file: str, output_file: str) -> None:

@@ -68,6 +68,7 @@ def test_raising_rank_is_reported_with_its_traceback() -> None:
     assert "rank 1" in message
     assert "ValueError: rank one refuses" in message
     assert "_rank1_raises_then_barrier" in message  # the remote traceback, not just the message
+    assert message.endswith("----- in short -----\nrank 1: ValueError: rank one refuses"), message[-300:]
     assert sorted(info.value.errors) == [1]
     assert info.value.stuck == [0]
 
@@ -140,6 +141,9 @@ def test_crashed_worker_is_reported_with_its_stack() -> None:
     message = info.value.errors[1]
     assert "exit code -11" in message and "Segmentation fault" in message, message
     assert "_rank1_crashes" in message  # the frame where it crashed
+    gist = str(info.value).rsplit("----- in short -----", 1)[1]  # the message's last lines say it all
+    assert "rank 1: worker process died (exit code -11); SIGSEGV; Fatal Python error: Segmentation fault" in gist, gist
+    assert "crashing thread at" in gist and "_rank1_crashes" in gist, gist
 
 
 def _rank1_aborts_after_native_words() -> None:
