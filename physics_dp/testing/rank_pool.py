@@ -352,8 +352,10 @@ def _patched_environ(values: dict[str, str]) -> Iterator[None]:
 
 def _gist(error: str) -> str:
     """One line of a rank's error: the exception a traceback ends with, or for a dead worker its
-    exit code's signal, faulthandler's verdict and the innermost frame of the crashing thread."""
+    exit code's signal, faulthandler's verdict and the crashing thread's innermost frames."""
     lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+    if not lines:
+        return "(no message)"
     if not lines[0].startswith("worker process died"):
         return lines[-1]
     parts = [lines[0]]
