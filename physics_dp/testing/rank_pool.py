@@ -237,7 +237,7 @@ class _RankPool:
             return pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             self.processes[rank].join(0.5)
-            message = f"worker process died (exit code {self.processes[rank].exitcode})"
+            message = f"{_DIED} (exit code {self.processes[rank].exitcode})"
             try:  # what faulthandler wrote at the crash, if the worker got as far as opening the file
                 with open(self._stack_file(rank)) as handle:
                     crash = handle.read().strip()
@@ -356,7 +356,7 @@ def _gist(error: str) -> str:
     lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
     if not lines:
         return "(no message)"
-    if not lines[0].startswith("worker process died"):
+    if not lines[0].startswith(_DIED):
         return lines[-1]
     parts = [lines[0]]
     code = re.search(r"exit code (-\d+)", lines[0])
@@ -371,6 +371,7 @@ def _gist(error: str) -> str:
     return "; ".join(parts)
 
 
+_DIED = "worker process died"  # how _receive's message for a dead worker begins, which _gist reads
 _FRAME = re.compile(r'File "(?:.*/)?([^/"]+)", line (\d+) in (\S+)')  # a faulthandler frame, compacted
 _GIST_FRAMES = 4
 
