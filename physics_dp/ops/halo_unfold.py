@@ -26,6 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
+from ..shard_tensor.conversions import slab_gradient
+from ..shard_tensor.spec import ShardTensorSpec
+from ._local import sharded_output
 from .halo import exchange_boundary_rows, received_rows, start_edge_exchange
 from .pooling import Stencil
 
@@ -143,33 +146,56 @@ def _fold_with_halos(
 
 class _HaloUnfold(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, local: torch.Tensor, geometry: HaloUnfoldGeometry, group: ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx, local: torch.Tensor, geometry: HaloUnfoldGeometry, group: ProcessGroup, out_spec: ShardTensorSpec | None
+    ) -> torch.Tensor:
         ctx.geometry, ctx.group, ctx.extents = geometry, group, tuple(local.shape[-2:])
-        return _unfold_with_halos(local, geometry, group)
+        return _returned(ctx, _unfold_with_halos(local, geometry, group), out_spec)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return _HaloFold.apply(grad.contiguous(), ctx.extents, ctx.geometry, ctx.group), None, None
+        grad = _slab_grad(ctx, grad)
+        return _HaloFold.apply(grad.contiguous(), ctx.extents, ctx.geometry, ctx.group, None), None, None, None
 
 
 class _HaloFold(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, cols: torch.Tensor, extents: tuple[int, int], geometry: HaloUnfoldGeometry, group: ProcessGroup
+        ctx, cols: torch.Tensor, extents: tuple[int, int], geometry: HaloUnfoldGeometry, group: ProcessGroup,
+        out_spec: ShardTensorSpec | None,
     ) -> torch.Tensor:
         ctx.geometry, ctx.group = geometry, group
-        return _fold_with_halos(cols, extents, geometry, group)
+        return _returned(ctx, _fold_with_halos(cols, extents, geometry, group), out_spec)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return _HaloUnfold.apply(grad.contiguous(), ctx.geometry, ctx.group), None, None, None
+        grad = _slab_grad(ctx, grad)
+        return _HaloUnfold.apply(grad.contiguous(), ctx.geometry, ctx.group, None), None, None, None, None
 
 
-def halo_unfold(local: torch.Tensor, geometry: HaloUnfoldGeometry, group: ProcessGroup) -> torch.Tensor:
-    """``F.unfold`` of the global tensor, this rank's positions (…, C K, ho wo), from its slab (…, C, H, W)."""
-    return _HaloUnfold.apply(local, geometry, group)
+def _returned(ctx, result: torch.Tensor, out_spec: ShardTensorSpec | None) -> torch.Tensor:
+    """The Function's slab result, as the ShardTensor of ``out_spec`` where given (one autograd node per op,
+    no conversion node after it); each Function's backward runs the other without one, on slabs."""
+    ctx.wraps = out_spec is not None
+    return sharded_output(ctx, result, out_spec) if ctx.wraps else result
 
 
-def halo_fold(cols: torch.Tensor, extents: tuple[int, int], geometry: HaloUnfoldGeometry, group: ProcessGroup) -> torch.Tensor:
-    """``F.fold`` of the global positions, this rank's rows (…, C, ``extents``), from its positions (…, C K, ho wo)."""
-    return _HaloFold.apply(cols, extents, geometry, group)
+def _slab_grad(ctx, grad: torch.Tensor) -> torch.Tensor:
+    return slab_gradient(grad, ctx.out_spec) if ctx.wraps else grad
+
+
+def halo_unfold(
+    local: torch.Tensor, geometry: HaloUnfoldGeometry, group: ProcessGroup, out_spec: ShardTensorSpec | None = None
+) -> torch.Tensor:
+    """``F.unfold`` of the global tensor, this rank's positions (…, C K, ho wo), from its slab (…, C, H, W):
+    the slab, or the ShardTensor of ``out_spec`` where given."""
+    return _HaloUnfold.apply(local, geometry, group, out_spec)
+
+
+def halo_fold(
+    cols: torch.Tensor, extents: tuple[int, int], geometry: HaloUnfoldGeometry, group: ProcessGroup,
+    out_spec: ShardTensorSpec | None = None,
+) -> torch.Tensor:
+    """``F.fold`` of the global positions, this rank's rows (…, C, ``extents``), from its positions (…, C K, ho wo):
+    the slab, or the ShardTensor of ``out_spec`` where given."""
+    return _HaloFold.apply(cols, extents, geometry, group, out_spec)

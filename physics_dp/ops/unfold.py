@@ -148,7 +148,7 @@ def _unfold(*args: Any, **kwargs: Any) -> ShardTensor:
     x = bound["input"]
     plan = _cached_plan(F.unfold, bound, _halo_unfold_plan)
     if plan is not None:
-        return wrap_local_as(halo_unfold(local_input(x), plan.geometry, x.device_mesh.get_group(plan.axis)), plan.out_spec)
+        return halo_unfold(local_input(x), plan.geometry, x.device_mesh.get_group(plan.axis), plan.out_spec)
     stencils = _unfold_stencils(bound)
     blocks, axis_sizes = _unfold_local(local_input(x), x, stencils)
     spec, flat = _unfold_specs(x, stencils, axis_sizes)
@@ -285,7 +285,7 @@ def _fold(*args: Any, **kwargs: Any) -> ShardTensor:
     if plan is not None:
         (geometry, blocks, rows), lead = plan.geometry, cols.ndim - 2
         local = local_input(cols).reshape(blocks).flatten(lead, lead + 1).flatten(-2)
-        return wrap_local_as(halo_fold(local, rows, geometry, cols.device_mesh.get_group(plan.axis)), plan.out_spec)
+        return halo_fold(local, rows, geometry, cols.device_mesh.get_group(plan.axis), plan.out_spec)
     call = _fold_call(bound)
     local, spec = _positions_as_blocks(cols, call)
     halo = _halo_geometry(spec, call.stencils, call.lead + 2)
