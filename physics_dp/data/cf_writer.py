@@ -35,6 +35,8 @@ import torch
 
 from physics_dp.shard_tensor import ShardTensor
 
+from .files import NETCDF_LOCK
+
 ArrayLike = np.ndarray | torch.Tensor
 DateLike = datetime | np.datetime64 | cftime.datetime
 TimeLike = DateLike | float | int
@@ -184,27 +186,28 @@ class ForecastWriter:
         self._partial = self.path.with_name(self.path.name + ".partial")
         self._last_time: float | None = None
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._dataset = netCDF4.Dataset(self._partial, "w", format="NETCDF4")
-        try:
-            metadata = {name: {"long_name": name, **(variable_attrs or {}).get(name, {})} for name in self.variables}
-            for name in self.variables:
-                metadata[name]["units"] = units[name]
-                for key, given in (("long_name", long_names), ("standard_name", standard_names)):
-                    if name in (given or {}):
-                        metadata[name][key] = given[name]
-            self._field_shape = self._define(grid, metadata, compress)
-            created = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-            self._dataset.setncatts(
-                {
-                    "Conventions": CONVENTIONS,
-                    "title": title,
-                    "history": f"{created} written by physics_dp.data.cf_writer",
-                    **(attrs or {}),
-                }
-            )
-        except BaseException:
-            self.abort()
-            raise
+        metadata = {name: {"long_name": name, **(variable_attrs or {}).get(name, {})} for name in self.variables}
+        for name in self.variables:
+            metadata[name]["units"] = units[name]
+            for key, given in (("long_name", long_names), ("standard_name", standard_names)):
+                if name in (given or {}):
+                    metadata[name][key] = given[name]
+        created = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        with NETCDF_LOCK:
+            self._dataset = netCDF4.Dataset(self._partial, "w", format="NETCDF4")
+            try:
+                self._field_shape = self._define(grid, metadata, compress)
+                self._dataset.setncatts(
+                    {
+                        "Conventions": CONVENTIONS,
+                        "title": title,
+                        "history": f"{created} written by physics_dp.data.cf_writer",
+                        **(attrs or {}),
+                    }
+                )
+            except BaseException:
+                self.abort()
+                raise
 
     def _define_grid(self, grid: HorizontalGrid) -> None:
         """The grid's dims (with any extra dims its coordinates use, such as bounds' vertices) and variables."""
@@ -264,7 +267,8 @@ class ForecastWriter:
     @property
     def steps(self) -> int:
         """Time steps written so far."""
-        return len(self._dataset.dimensions[self.time_name])
+        with NETCDF_LOCK:
+            return len(self._dataset.dimensions[self.time_name])
 
     def _time_value(self, time: TimeLike) -> float:
         if isinstance(time, (datetime, np.datetime64, cftime.datetime)):
@@ -284,22 +288,25 @@ class ForecastWriter:
             if values.shape != self._field_shape:
                 raise ValueError(f"field {name!r} has shape {values.shape}, expected {self._field_shape} per step")
             arrays[name] = np.ma.masked_invalid(values.astype(np.float32))
-        index = self.steps
-        for name, values in arrays.items():
-            self._dataset[name][index] = values
-        self._dataset[self.time_name][index] = value
+        with NETCDF_LOCK:
+            index = self.steps
+            for name, values in arrays.items():
+                self._dataset[name][index] = values
+            self._dataset[self.time_name][index] = value
         self._last_time = value
 
     def close(self) -> Path:
         """Finish the file and move it to its final name; returns that path."""
-        self._dataset.close()
+        with NETCDF_LOCK:
+            self._dataset.close()
         os.replace(self._partial, self.path)
         return self.path
 
     def abort(self) -> None:
         """Close and delete the partial file (nothing appears under the final name)."""
-        if self._dataset.isopen():
-            self._dataset.close()
+        with NETCDF_LOCK:
+            if self._dataset.isopen():
+                self._dataset.close()
         self._partial.unlink(missing_ok=True)
 
     def __enter__(self) -> ForecastWriter:

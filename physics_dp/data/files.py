@@ -1,8 +1,10 @@
 """Finding netCDF files and keeping them open, with one lock around the netCDF library.
 
 HDF5 (under netCDF4) is usually built without thread safety, and the loader reads in a background
-thread while the main thread may open other datasets, so every call into netCDF4 made by this
-package holds ``NETCDF_LOCK``.
+thread while the main thread may open, read or write other datasets (the catalogs, the forecast
+writer, the source description, the synthetic writer), so every call into netCDF4 made by this
+package holds ``NETCDF_LOCK``: through ``open_dataset`` for a file opened and closed in one block,
+else around each use of a handle kept open (``FilePool``, ``ForecastWriter``).
 """
 
 from __future__ import annotations
@@ -10,11 +12,21 @@ from __future__ import annotations
 import glob
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import netCDF4
 
+# Reentrant because holders nest: a catalog holds it while its FilePool takes it again, and the
+# forecast writer's abort and step count take it inside its constructor and ``write``.
 NETCDF_LOCK = threading.RLock()
+
+
+@contextmanager
+def open_dataset(path: str | os.PathLike, mode: str = "r") -> Iterator[netCDF4.Dataset]:
+    """``netCDF4.Dataset(path, mode)`` opened, used and closed while holding ``NETCDF_LOCK``."""
+    with NETCDF_LOCK, netCDF4.Dataset(path, mode) as ds:
+        yield ds
 
 
 def resolve_paths(value: str | os.PathLike | Sequence[str | os.PathLike], what: str) -> list[str]:

@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass
 import netCDF4
 import numpy as np
 
+from .files import open_dataset
+
 STATE_VARIABLES = ["u10m", "v10m", "t2m"]
 BACKGROUND_VARIABLES = ["u10", "v10", "t2m"]
 INVARIANT_VARIABLES = ["orography", "land_sea_mask"]
@@ -199,7 +201,7 @@ def _missing_t2m(n_times: int, h: int, w: int) -> np.ndarray:
 
 def _write_state(path: str, fields: dict[str, np.ndarray], hours: np.ndarray, missing: np.ndarray) -> None:
     h, w = fields["t2m"].shape[1:]
-    with netCDF4.Dataset(path, "w") as ds:
+    with open_dataset(path, "w") as ds:
         ds.Conventions = "CF-1.8"
         ds.title = "physics_dp synthetic HRRR-like state"
         _add_time(ds, hours)
@@ -216,7 +218,7 @@ def _write_state(path: str, fields: dict[str, np.ndarray], hours: np.ndarray, mi
 
 def _write_background(path: str, fields: dict[str, np.ndarray], hours: np.ndarray) -> None:
     hb, wb = fields["t2m"].shape[1:]
-    with netCDF4.Dataset(path, "w") as ds:
+    with open_dataset(path, "w") as ds:
         ds.Conventions = "CF-1.8"
         ds.title = "physics_dp synthetic ERA5-like background"
         _add_time(ds, hours)
@@ -227,7 +229,7 @@ def _write_background(path: str, fields: dict[str, np.ndarray], hours: np.ndarra
 
 def _write_invariants(path: str, fields: dict[str, np.ndarray]) -> None:
     h, w = fields["orography"].shape
-    with netCDF4.Dataset(path, "w") as ds:
+    with open_dataset(path, "w") as ds:
         ds.Conventions = "CF-1.8"
         ds.title = "physics_dp synthetic invariants"
         _add_coords(ds, h, w, DX_KM)

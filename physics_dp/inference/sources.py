@@ -20,6 +20,7 @@ import numpy as np
 from ..data import DataSpec
 from ..data.catalog import Catalog
 from ..data.cf_writer import Coordinate, HorizontalGrid
+from ..data.files import open_dataset
 from ..data.spec import open_catalogs
 from ..data.times import to_date
 
@@ -123,7 +124,7 @@ def _variables(
     attrs: dict[str, dict[str, Any]] = {}
     scalars: dict[str, Coordinate] = {}
     for name in state.variables:
-        with netCDF4.Dataset(state.files_of(name)[0]) as ds:
+        with open_dataset(state.files_of(name)[0]) as ds:
             var = ds.variables[name]
             found = _scalar_coordinates(ds, var, (*grid.dims, time_dim), level)
             attrs[name] = _attrs(var)
@@ -140,7 +141,7 @@ def describe_sources(spec: DataSpec) -> SourceInfo:
     try:
         state = catalogs.state
         first = state.files_of(state.variables[0])[0]
-        with netCDF4.Dataset(first) as ds:
+        with open_dataset(first) as ds:
             grid = _horizontal(ds, state.variables, state.grid.dims, state.grid.shape)
         time_dim = state.time_coordinates[first].dim
         attrs, scalars = _variables(state, grid, time_dim, spec.level)
