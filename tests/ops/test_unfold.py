@@ -137,6 +137,7 @@ HALO_CASES = {  # (world, split dim, global (N, C, H, W), sizes of the split dim
     "3 ranks on H": (3, 2, (1, 2, 24, 7), None),
     "2 ranks on W": (2, 3, (1, 3, 7, 18), None),
     "3 ranks on W, uneven": (3, 3, (2, 2, 6, 26), [8, 8, 10]),
+    "4 ranks on H, uneven": (4, 2, (1, 2, 35, 6), [8, 9, 8, 10]),
 }
 
 
