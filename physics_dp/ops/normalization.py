@@ -37,7 +37,7 @@ from torch.distributed import ProcessGroup
 from ..distributed import collectives
 from ..distributed.tracing import is_tracing
 from ..shard_tensor import Replicate, ShardTensor, ShardTensorSpec
-from ..shard_tensor.conversions import function_output, slab_gradient
+from ..shard_tensor.conversions import function_input, function_output, input_gradient, slab_gradient, taken_slab, to_local
 from ..shard_tensor.dispatch import run_default
 from ..shard_tensor.spec import CHANNELS_LAST_ORDERS, in_spec_order, inverse_order
 from . import fused_cpu
@@ -535,9 +535,12 @@ class _NormalizeGlobally(torch.autograd.Function):
     (:func:`_rescaled`) and the closed-form backward is fused per-row passes of xhat
     (:func:`_scale_shift`); where :mod:`.fused_cpu` serves, it is the channel norms' kernel path,
     whose backward reads x (saved anyway) instead of xhat.  Low-precision
-    slabs are normalized in fp32 (the output's dtype); the slab itself is kept, uncast, for a
+    slabs are normalized in fp32 (the output's dtype); the input itself is kept, uncast, for a
     double backward (a reference, as torch's layer norm keeps its input).  Given ``out``, the result
-    is returned as that ShardTensor, as :class:`_ChannelNorm` does.
+    is returned as that ShardTensor, as :class:`_ChannelNorm` does.  The input is the ShardTensor
+    itself (:func:`.conversions.function_input`; its slab while tracing): no conversion node before
+    the Function either.  A double backward then takes its slab again differentiably, so that
+    second-order gradients reach the input's producers.
 
     The slab's part of the elementwise affine parameters (``weight``, and ``bias`` only with it) is
     taken on :mod:`.fused_cpu`'s path only: there its kernels apply them in the normalization's own
@@ -547,9 +550,11 @@ class _NormalizeGlobally(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, slab: torch.Tensor, dims: tuple[int, ...], groups: tuple[ProcessGroup, ...], eps: float,
+        ctx, input: torch.Tensor, dims: tuple[int, ...], groups: tuple[ProcessGroup, ...], eps: float,
         out: _Output | None = None, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        slab = taken_slab(ctx, input)
+        ctx.dtype = slab.dtype
         x = slab.float() if slab.dtype in LOW_PRECISION else slab
         length = math.prod(x.shape[d] for d in dims)  # dims are the trailing ones
         leading = math.prod(x.shape[: x.ndim - len(dims)])  # each leading index is a row
@@ -558,7 +563,7 @@ class _NormalizeGlobally(torch.autograd.Function):
         ctx.groups, ctx.dims, ctx.eps, ctx.layout = groups, dims, eps, layout
         ctx.on_cpu_kernels = fused_cpu.usable(rows)
         if ctx.on_cpu_kernels:  # the backward then reads x itself: the channel norms' kernel path
-            ctx.save_for_backward(rows, slab, weight, bias)
+            ctx.save_for_backward(rows, input, weight, bias)
             if weight is None:
                 y, ctx.stats = _normalize_on_cpu_kernels(rows, None, None, layout, groups, eps)
             else:
@@ -577,7 +582,7 @@ class _NormalizeGlobally(torch.autograd.Function):
         shift = (mean.view(1, leading, 1) * rstd).neg_()
         xhat = None if local is None else _rescaled(local, rstd, shift, layout)
         xhat = (_scale_shift(rows, rstd, shift, layout) if xhat is None else xhat).view(x.shape)
-        ctx.save_for_backward(xhat, rstd, slab)
+        ctx.save_for_backward(xhat, rstd, input)
         return _returned(ctx, xhat, out)
 
     @staticmethod
@@ -590,23 +595,23 @@ class _NormalizeGlobally(torch.autograd.Function):
             return tuple(_differentiated(ctx, grad, _normalize_again))
         grad = grad.contiguous()
         if ctx.on_cpu_kernels:
-            rows, slab, weight, bias = ctx.saved_tensors
+            rows, _, weight, bias = ctx.saved_tensors
             if weight is None:
                 grad_x, _, _ = _normalize_backward_on_cpu_kernels(
                     grad.view(rows.shape), rows, None, ctx.stats, ctx.layout, ctx.groups, (True, False, False)
                 )
-                return grad_x.view(grad.shape).to(slab.dtype), None, None, None, None, None, None
+                return input_gradient(ctx, grad_x.view(grad.shape).to(ctx.dtype)), None, None, None, None, None, None
             leading, length = rows.shape[1:]
             grad_x, grad_w, grad_b = _layer_norm_backward_on_cpu_kernels(
                 grad.view(leading, length), rows.view(leading, length), ctx.weight, ctx.stats, ctx.layout, ctx.groups,
                 needs[0], needs[5] or needs[6],
             )
             return (
-                None if grad_x is None else grad_x.view(grad.shape).to(slab.dtype), None, None, None, None,
+                None if grad_x is None else input_gradient(ctx, grad_x.view(grad.shape).to(ctx.dtype)), None, None, None, None,
                 grad_w.view(weight.shape).to(weight.dtype) if needs[5] else None,
                 grad_b.view(bias.shape).to(bias.dtype) if bias is not None and needs[6] else None,
             )
-        xhat, rstd, slab = ctx.saved_tensors
+        xhat, rstd, _ = ctx.saved_tensors
         layout = ctx.layout
         rows = (1, layout.groups, xhat.numel() // layout.groups if layout.groups else 0)
         xhat_rows, grad_rows = xhat.view(rows), grad.view(rows)
@@ -617,7 +622,7 @@ class _NormalizeGlobally(torch.autograd.Function):
         # dx = rstd * (dy - mean(dy) - xhat * mean(dy * xhat)): its shift and xhat's coefficient, per row
         shift, xhat_coefficient = sums.view(2, 1, -1, 1) * (rstd / -ctx.count)
         grad_x = _dy_and_x_terms(grad_rows, xhat_rows, rstd, xhat_coefficient, shift, layout).view(grad.shape)
-        return grad_x.to(slab.dtype), None, None, None, None, None, None
+        return input_gradient(ctx, grad_x.to(ctx.dtype)), None, None, None, None, None, None
 
 
 # ----- double backward: the forward again, from differentiable pieces --------------------------
@@ -661,7 +666,9 @@ def _normalize_again(ctx) -> tuple[torch.Tensor, tuple]:
     """Layer norm's normalization of the saved slab (see :class:`_NormalizeGlobally`), its affine
     parameters' slab applied where the Function took them, differentiably."""
     saved, count, dims = ctx.saved_tensors, ctx.count, ctx.dims
-    x, weight, bias = saved[1:] if ctx.on_cpu_kernels else (saved[2], None, None)
+    input, weight, bias = saved[1:] if ctx.on_cpu_kernels else (saved[2], None, None)
+    # a ShardTensor input's slab taken again differentiably, so that second-order gradients reach its producers
+    x = to_local(input) if ctx.input_spec is not None else input
     xd = x.double()  # the forward's output is fp32 for a low-precision slab: see the return
     s1, s2 = sum_shares(torch.stack([xd.sum(dims, keepdim=True), xd.square().sum(dims, keepdim=True)]), ctx.groups)
     mean = s1 / count
@@ -670,7 +677,7 @@ def _normalize_again(ctx) -> tuple[torch.Tensor, tuple]:
         y = y * weight.double()
     if bias is not None:
         y = y + bias.double()
-    return y.to(torch.promote_types(x.dtype, torch.float32)), (x, None, None, None, None, weight, bias)
+    return y.to(torch.promote_types(x.dtype, torch.float32)), (input, None, None, None, None, weight, bias)
 
 
 # ----- shared pieces --------------------------------------------------------------------------
@@ -856,16 +863,16 @@ def _layer_norm(
             f"{', '.join(map(str, normalized_shape))}], but got input of size{list(shape)}"
         )
     x = _prepare(fp32_where_autocast_does(input, _AUTOCAST_PROBES["layer_norm"]), "layer_norm", channel_dim=None)
-    local = local_input(x)
     w, b = local_param(weight, x), local_param(bias, x)
     dims = tuple(range(first, len(shape)))
     groups = groups_over(x, dims)
     if not groups:
-        return _finish(F.layer_norm(local, normalized_shape, w, b, eps), x)
+        return _finish(F.layer_norm(local_input(x), normalized_shape, w, b, eps), x)
     w, b = _slab_of_param(w, x, first), _slab_of_param(b, x, first)
+    local = x._local_tensor  # its layout and dtype: the Function takes x itself (one node, no conversion before it)
     if (w is None and b is None) or (w is not None and fused_cpu.usable(local)):  # one node, the affine in its passes
-        return _NormalizeGlobally.apply(local, dims, groups, eps, _Output(_output_spec(x, False), local.dtype), w, b)
-    xhat = _NormalizeGlobally.apply(local, dims, groups, eps)
+        return _NormalizeGlobally.apply(function_input(x), dims, groups, eps, _Output(_output_spec(x, False), local.dtype), w, b)
+    xhat = _NormalizeGlobally.apply(function_input(x), dims, groups, eps)
     if w is not None and b is not None:  # one pass: 2.4x faster than a mul then an add on a 4 MiB slab
         y = torch.addcmul(b, xhat, w)
     else:

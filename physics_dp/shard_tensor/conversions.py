@@ -27,6 +27,9 @@ __all__ = [
     "from_local_with_spec",
     "from_local_exact",
     "function_output",
+    "function_input",
+    "taken_slab",
+    "input_gradient",
     "slab_gradient",
     "to_local",
     "shared_local",
@@ -189,6 +192,31 @@ def function_output(local: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
     if spec.local_shape() != local.shape or not laid_out_as(local, spec):
         raise RuntimeError(f"local result of shape {tuple(local.shape)} is not laid out as a slab of {spec}: a bug in the op handler")
     return ShardTensor(local, spec)
+
+
+def function_input(tensor: ShardTensor) -> torch.Tensor:
+    """``tensor`` as a custom autograd Function's input: the ShardTensor itself, which the Function's
+    forward reads with :func:`taken_slab` and its backward answers with :func:`input_gradient`.
+
+    Why: a slab taken before the Function (:func:`shared_local`) is a conversion node of its own,
+    forward and backward (80 us of layer norm's cold cost at ``ops_scaling.py``'s size).  While
+    tracing, the slab: a compiled graph traces the conversion's aten ops instead.
+    """
+    return to_local(tensor) if is_tracing() else tensor
+
+
+def taken_slab(ctx, value: torch.Tensor) -> torch.Tensor:
+    """Inside a Function's forward, the slab of an input passed through :func:`function_input` (noting its spec)."""
+    ctx.input_spec = value._spec if isinstance(value, ShardTensor) else None
+    return value._local_tensor if ctx.input_spec is not None else value
+
+
+def input_gradient(ctx, grad: torch.Tensor | None) -> torch.Tensor | None:
+    """A Function's gradient for the input read with :func:`taken_slab`, from its slab's gradient:
+    the global value's gradient, a ShardTensor, where the input was one."""
+    if grad is None or ctx.input_spec is None or isinstance(grad, ShardTensor):
+        return grad
+    return _global_value_grad(grad, ctx.input_spec)
 
 
 def _global_value_grad(local_grad: torch.Tensor, spec: ShardTensorSpec) -> ShardTensor:
