@@ -199,7 +199,7 @@ def function_input(tensor: ShardTensor) -> torch.Tensor:
     forward reads with :func:`taken_slab` and its backward answers with :func:`input_gradient`.
 
     Why: a slab taken before the Function (:func:`shared_local`) is a conversion node of its own,
-    forward and backward (80 us of layer norm's cold cost at ``ops_scaling.py``'s size).  While
+    forward and backward (60-80 us of layer norm's forward + backward with the caches cold).  While
     tracing, the slab: a compiled graph traces the conversion's aten ops instead.
     """
     return to_local(tensor) if is_tracing() else tensor
