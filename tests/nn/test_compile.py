@@ -37,17 +37,17 @@ def _step(model: nn.Module, x: torch.Tensor) -> None:
     model(x).square().mean().backward()
 
 
-def _all_reduces_per_compiled_step(inductor_options: dict | None) -> dict:
+def _all_reduces_per_compiled_step(through_compile_in_place: bool) -> dict:
     mesh = get_mesh((2,))
     eager = _net()
     compiled = copy.deepcopy(eager)
     x = distribute_tensor(torch.randn(1, 4, 12, 8), mesh, [Shard(2)])
     _step(eager, x)
     torch._dynamo.reset()
-    if inductor_options is None:
+    if through_compile_in_place:
         compile_in_place(compiled, "inductor")
-    else:  # compiled as compile_in_place did before it passed its options
-        compiled.compile(backend="inductor", dynamic=False, options=inductor_options)
+    else:  # as compile_in_place compiled before it passed inductor its options
+        compiled.compile(backend="inductor", dynamic=False)
     _step(compiled, x)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         _step(compiled, x)
@@ -59,8 +59,8 @@ def _all_reduces_per_compiled_step(inductor_options: dict | None) -> dict:
 def test_inductor_buckets_the_parameter_sums_of_a_compiled_backward() -> None:
     """Eight parameter uses: one all-reduce each unbucketed, fewer bucketed (4 with torch 2.13: each
     convolution's weight and bias together), and the gradients equal eager's either way."""
-    unbucketed = run_on_ranks(2, _all_reduces_per_compiled_step, {}, timeout=600)
-    bucketed = run_on_ranks(2, _all_reduces_per_compiled_step, None, timeout=600)
+    unbucketed = run_on_ranks(2, _all_reduces_per_compiled_step, False, timeout=600)
+    bucketed = run_on_ranks(2, _all_reduces_per_compiled_step, True, timeout=600)
     for result in unbucketed + bucketed:
         assert result["diff"] <= 1e-5, result
     assert [r["all_reduces"] for r in unbucketed] == [8, 8], (unbucketed, bucketed)
