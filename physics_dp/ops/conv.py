@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..shard_tensor import Partial, Replicate, ShardTensor, ShardTensorSpec
+from ..shard_tensor.conversions import function_input
 from ._args import bind, per_dim, single_device_shape
 from ._local import ShardedOpError, local_input, local_param, sharded_axes, wrap_local
 from .call_plans import HaloPlan, PlanCache, hashable, layout_key
@@ -248,11 +249,12 @@ def _slab_plan(
 
 
 def _run_plan(plan: HaloPlan, op: Callable, bound: dict[str, Any]) -> ShardTensor:
-    """``op(slab, weight, bias, geometry, group, out_spec)``: the ShardTensor of the plan's output spec."""
+    """``op(input, weight, bias, geometry, group, out_spec)``: the ShardTensor of the plan's output spec
+    (the input whole: the op's Function reads its slab, no conversion node before it)."""
     x = bound["input"]
     weight = weight_like_output(local_param(bound["weight"], x), plan.out_spec)
     group = x.device_mesh.get_group(plan.axis)
-    return op(local_input(x), weight, local_param(bound["bias"], x), plan.geometry, group, plan.out_spec)
+    return op(function_input(x), weight, local_param(bound["bias"], x), plan.geometry, group, plan.out_spec)
 
 
 # ----- convolution ----------------------------------------------------------------------------

@@ -38,13 +38,13 @@ from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
 from ..shard_tensor import ShardTensor, ShardTensorSpec
-from ..shard_tensor.conversions import slab_gradient
-from ._local import sharded_output, wrap_local_as
+from ..shard_tensor.conversions import input_gradient, slab_gradient, taken_slab, to_local
+from ._local import local_input, sharded_output, wrap_local_as
 from .autocast import lower_precision
 from .halo import gather_window, received_rows, start_edge_exchange, uniform_windows, with_extent
 from .grad_sums import creating_graph
 
-__all__ = ["HaloConvGeometry", "HaloStrip", "halo_conv", "differentiated_rerun", "in_input_dtypes"]
+__all__ = ["HaloConvGeometry", "HaloStrip", "halo_conv", "differentiated_rerun", "in_input_dtypes", "saved_input", "slab_of_saved"]
 
 _CONV_BY_DIMS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
@@ -181,13 +181,14 @@ def _conv_backward(grad: torch.Tensor, input: torch.Tensor, weight: torch.Tensor
 class _HaloConv(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geometry: HaloConvGeometry,
+        ctx, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geometry: HaloConvGeometry,
         group: ProcessGroup, out_spec: ShardTensorSpec,
     ) -> ShardTensor:
-        conv = _CONV_BY_DIMS[local.ndim - 2]
+        slab = taken_slab(ctx, input)
+        conv = _CONV_BY_DIMS[slab.ndim - 2]
         dim = geometry.dim
-        ctx.dtypes = (local.dtype, weight.dtype, None if bias is None else bias.dtype)
-        local, weight, bias = lower_precision(local, weight, bias)  # the backward then sees one dtype
+        ctx.dtypes = (slab.dtype, weight.dtype, None if bias is None else bias.dtype)
+        local, weight, bias = lower_precision(slab, weight, bias)  # the backward then sees one dtype
         pending = _exchange_halos(local, geometry, group)
         y = conv(local, weight, bias, geometry.stride, geometry.padding, geometry.dilation, geometry.groups)
         received = dict(zip((-1, 1), received_rows(pending, group)))
@@ -197,7 +198,7 @@ class _HaloConv(torch.autograd.Function):
             part = _taps(weight, geometry, plan)
             y.narrow(dim, first, plan.outputs).add_(conv(strip, part, None, geometry.stride, geometry.strip_padding(), geometry.dilation, geometry.groups))
             strips.append(strip)
-        ctx.save_for_backward(local, weight, *strips)
+        ctx.save_for_backward(saved_input(input, slab, local), weight, *strips)
         ctx.geometry, ctx.group, ctx.has_bias = geometry, group, bias is not None
         return sharded_output(ctx, y, out_spec)
 
@@ -206,7 +207,8 @@ class _HaloConv(torch.autograd.Function):
         grad = slab_gradient(grad, ctx.out_spec)
         if creating_graph():  # a backward that autograd can differentiate again
             return _differentiable_backward(ctx, grad)
-        local, weight, *strips = ctx.saved_tensors
+        saved, weight, *strips = ctx.saved_tensors
+        local = slab_of_saved(saved)
         geometry: HaloConvGeometry = ctx.geometry
         dim = geometry.dim
         extent = local.shape[dim]
@@ -250,20 +252,21 @@ def _differentiable_backward(ctx, grad: torch.Tensor) -> tuple:
 
 
 def differentiated_rerun(ctx, grad: torch.Tensor, rerun: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], op: str) -> tuple:
-    """A halo op's gradients as a differentiable function of its saved slab, weight and ``grad``, for a double backward.
+    """A halo op's gradients as a differentiable function of its saved input, weight and ``grad``, for a double backward.
 
     ``rerun(slab, weight)`` recomputes the op's output without bias from differentiable pieces;
     the bias gradient is a sum of ``grad``.
     """
-    local, weight = ctx.saved_tensors[:2]
+    saved, weight = ctx.saved_tensors[:2]
     input_dtype, weight_dtype, bias_dtype = ctx.dtypes
-    if local.dtype != input_dtype or weight.dtype != weight_dtype:
+    if saved.dtype != input_dtype or weight.dtype != weight_dtype:
         raise RuntimeError(
             f"{op}: cannot differentiate twice an op run under autocast (its saved inputs are the casts); run the "
             "double backward in full precision"
         )
-    wanted = [t for t, need in zip((local, weight), ctx.needs_input_grad[:2]) if need]
-    y = rerun(local, weight)
+    wanted = [t for t, need in zip((saved, weight), ctx.needs_input_grad[:2]) if need]
+    # a ShardTensor input's slab taken again differentiably, so that second-order gradients reach its producers
+    y = rerun(to_local(saved) if isinstance(saved, ShardTensor) else saved, weight)
     grads = iter(torch.autograd.grad(y, wanted, grad, create_graph=True)) if wanted else iter(())
     grad_input = next(grads) if ctx.needs_input_grad[0] else None
     grad_weight = next(grads) if ctx.needs_input_grad[1] else None
@@ -273,11 +276,23 @@ def differentiated_rerun(ctx, grad: torch.Tensor, rerun: Callable[[torch.Tensor,
     return grad_input, grad_weight, grad_bias, None, None, None
 
 
+def saved_input(input: torch.Tensor, slab: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """What a halo op saves of its ``input`` (read as ``slab``, computed on as ``local``): the input
+    itself, a ShardTensor whose slab a double backward takes again differentiably, unless autocast
+    cast the slab (then the cast: a double backward refuses it)."""
+    return input if local is slab else local
+
+
+def slab_of_saved(saved: torch.Tensor) -> torch.Tensor:
+    """The slab a halo op's backward computes with, from what :func:`saved_input` saved."""
+    return saved._local_tensor if isinstance(saved, ShardTensor) else saved
+
+
 def in_input_dtypes(ctx, grad_input: torch.Tensor | None, grad_weight: torch.Tensor | None, grad_bias: torch.Tensor | None) -> tuple:
     """A halo op's backward result: each gradient in its input's dtype (the forward may have run on autocast casts)."""
     input_dtype, weight_dtype, bias_dtype = ctx.dtypes
     return (
-        None if grad_input is None else grad_input.to(input_dtype),
+        None if grad_input is None else input_gradient(ctx, grad_input.to(input_dtype)),
         None if grad_weight is None else grad_weight.to(weight_dtype),
         None if grad_bias is None else grad_bias.to(bias_dtype),
         None,
@@ -287,20 +302,22 @@ def in_input_dtypes(ctx, grad_input: torch.Tensor | None, grad_weight: torch.Ten
 
 
 def halo_conv(
-    local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geometry: HaloConvGeometry, group: ProcessGroup,
+    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geometry: HaloConvGeometry, group: ProcessGroup,
     out_spec: ShardTensorSpec,
 ) -> ShardTensor:
     """The 'same' convolution of the global tensor, on this rank's slab (see the module docstring), as
-    the ShardTensor of ``out_spec``; ``group`` is the process group that splits ``geometry.dim``.
+    the ShardTensor of ``out_spec``; ``group`` is the process group that splits ``geometry.dim``;
+    ``input``: the ShardTensor itself (``conversions.function_input``) or its slab.
 
     A kernel of one row along it reads no neighbour's rows: torch's own op on the slab, under
     torch's autograd (through the Function a sharded 1x1 convolution's forward took 372 us with cold
     caches, now 176; torch's op alone 40-53).
     """
     if not geometry.reads_neighbours:
+        local = local_input(input) if isinstance(input, ShardTensor) else input
         conv = _CONV_BY_DIMS[local.ndim - 2]
         return wrap_local_as(conv(local, weight, bias, geometry.stride, geometry.padding, geometry.dilation, geometry.groups), out_spec)
-    return _HaloConv.apply(local, weight, bias, geometry, group, out_spec)
+    return _HaloConv.apply(input, weight, bias, geometry, group, out_spec)
 
 
 def eligible_geometry(

@@ -30,12 +30,12 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from ..shard_tensor import ShardTensor, ShardTensorSpec
-from ..shard_tensor.conversions import slab_gradient
+from ..shard_tensor.conversions import slab_gradient, taken_slab
 from .grad_sums import creating_graph
 from .halo import exchange_boundary_rows, gather_window, received_rows, uniform_windows, with_extent
 from .autocast import lower_precision
 from ._local import sharded_output
-from .halo_conv import differentiated_rerun, in_input_dtypes
+from .halo_conv import differentiated_rerun, in_input_dtypes, saved_input, slab_of_saved
 
 __all__ = ["TransposedHaloGeometry", "eligible_transposed_geometry", "halo_conv_transpose"]
 
@@ -175,11 +175,12 @@ def _strip_backward(
 class _HaloConvTranspose(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geometry: TransposedHaloGeometry,
+        ctx, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geometry: TransposedHaloGeometry,
         group: ProcessGroup, out_spec: ShardTensorSpec,
     ) -> ShardTensor:
-        ctx.dtypes = (local.dtype, weight.dtype, None if bias is None else bias.dtype)
-        local, weight, bias = lower_precision(local, weight, bias)  # the backward then sees one dtype
+        slab = taken_slab(ctx, input)
+        ctx.dtypes = (slab.dtype, weight.dtype, None if bias is None else bias.dtype)
+        local, weight, bias = lower_precision(slab, weight, bias)  # the backward then sees one dtype
         dim, before, after = geometry.dim, geometry.before_window(), geometry.after_window()
         from_prev, from_next = before[0] * geometry.has_prev, after[0] * geometry.has_next
         pending = exchange_boundary_rows(local, dim, group, after[0] * geometry.has_prev, before[0] * geometry.has_next, from_prev, from_next)
@@ -194,7 +195,7 @@ class _HaloConvTranspose(torch.autograd.Function):
         for halo, window, start in halos:
             taps = geometry.strip_taps(window)
             y.narrow(dim, start + taps.offset, taps.rows).add_(_strip_output(halo, weight, geometry, taps))
-        ctx.save_for_backward(local, weight, *(halo for halo, _, _ in halos))
+        ctx.save_for_backward(saved_input(input, slab, local), weight, *(halo for halo, _, _ in halos))
         ctx.placements = tuple((window, start) for _, window, start in halos)
         ctx.geometry, ctx.group, ctx.has_bias = geometry, group, bias is not None
         return sharded_output(ctx, y, out_spec)
@@ -204,7 +205,8 @@ class _HaloConvTranspose(torch.autograd.Function):
         grad = slab_gradient(grad, ctx.out_spec)
         if creating_graph():  # a backward that autograd can differentiate again
             return _differentiable_backward(ctx, grad)
-        local, weight, *halos = ctx.saved_tensors
+        saved, weight, *halos = ctx.saved_tensors
+        local = slab_of_saved(saved)
         geometry: TransposedHaloGeometry = ctx.geometry
         dim, before, after = geometry.dim, geometry.before_window(), geometry.after_window()
         need_input, need_weight, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
@@ -256,9 +258,10 @@ def _differentiable_backward(ctx, grad: torch.Tensor) -> tuple:
 
 
 def halo_conv_transpose(
-    local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geometry: TransposedHaloGeometry,
+    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geometry: TransposedHaloGeometry,
     group: ProcessGroup, out_spec: ShardTensorSpec,
 ) -> ShardTensor:
     """The transposed convolution of the global tensor, on this rank's slab (see the module docstring),
-    as the ShardTensor of ``out_spec``; ``group`` is the process group that splits ``geometry.dim``."""
-    return _HaloConvTranspose.apply(local, weight, bias, geometry, group, out_spec)
+    as the ShardTensor of ``out_spec``; ``group`` is the process group that splits ``geometry.dim``;
+    ``input``: the ShardTensor itself (``conversions.function_input``) or its slab."""
+    return _HaloConvTranspose.apply(input, weight, bias, geometry, group, out_spec)

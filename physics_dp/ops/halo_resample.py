@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from ..shard_tensor import ShardTensor, ShardTensorSpec
-from ..shard_tensor.conversions import slab_gradient
+from ..shard_tensor.conversions import input_gradient, slab_gradient, taken_slab
 from ._local import sharded_output
 from .grad_sums import creating_graph
 from .halo import exchange_boundary_rows, gather_window, received_rows, start_edge_exchange, with_extent
@@ -94,8 +94,9 @@ def _taken_by_neighbours(geometry: ResampleGeometry) -> tuple[int, int]:
 class _HaloResample(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, local: torch.Tensor, geometry: ResampleGeometry, group: ProcessGroup, out_spec: ShardTensorSpec
+        ctx, input: torch.Tensor, geometry: ResampleGeometry, group: ProcessGroup, out_spec: ShardTensorSpec
     ) -> ShardTensor:
+        local = taken_slab(ctx, input)
         dim, plan = geometry.dim, geometry.mine
         extent = local.shape[dim]
         first, last = _taken_by_neighbours(geometry)
@@ -119,7 +120,7 @@ class _HaloResample(torch.autograd.Function):
         geometry: ResampleGeometry = ctx.geometry
         shape = ctx.input_shape
         if creating_graph():
-            return _differentiable_backward(shape, grad, geometry, ctx.group), None, None, None
+            return input_gradient(ctx, _differentiable_backward(shape, grad, geometry, ctx.group)), None, None, None
         dim, plan = geometry.dim, geometry.mine
         extent, out_extent = shape[dim], grad.shape[dim]
         (top, bottom), (halo_top, halo_bottom), (inner_top, inner_bottom) = plan.wrong, plan.halo, plan.inner
@@ -144,7 +145,7 @@ class _HaloResample(torch.autograd.Function):
             grad_input.narrow(dim, 0, receive[0]).add_(from_prev)
         if from_next is not None:
             grad_input.narrow(dim, extent - receive[1], receive[1]).add_(from_next)
-        return grad_input, None, None, None
+        return input_gradient(ctx, grad_input), None, None, None
 
 
 def _border_backward(
@@ -189,7 +190,8 @@ def _differentiable_backward(shape: torch.Size, grad: torch.Tensor, geometry: Re
     return grad_input
 
 
-def halo_resample(local: torch.Tensor, geometry: ResampleGeometry, group: ProcessGroup, out_spec: ShardTensorSpec) -> ShardTensor:
+def halo_resample(input: torch.Tensor, geometry: ResampleGeometry, group: ProcessGroup, out_spec: ShardTensorSpec) -> ShardTensor:
     """torch's resize of the global tensor, this rank's output rows, from its slab (see the module
-    docstring), as the ShardTensor of ``out_spec``; ``group`` is the process group that splits ``geometry.dim``."""
-    return _HaloResample.apply(local, geometry, group, out_spec)
+    docstring), as the ShardTensor of ``out_spec``; ``group`` is the process group that splits ``geometry.dim``;
+    ``input``: the ShardTensor itself (``conversions.function_input``) or its slab."""
+    return _HaloResample.apply(input, geometry, group, out_spec)

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from ..distributed.tracing import graph_constant, outside_trace
 from ..shard_tensor import ShardTensor, ShardTensorSpec
+from ..shard_tensor.conversions import function_input
 from ._args import bind
 from ._local import ShardedOpError, local_input, sharded_axes, wrap_local
 from .call_plans import HaloPlan, PlanCache, hashable, layout_key
@@ -478,7 +479,7 @@ def _interpolate_handler(func: Any, types: tuple, args: tuple, kwargs: dict) -> 
     key = (func, layout_key(x), x.dtype, *(hashable(value) for value in rest.values()))
     plan = _HALO_PLANS.plan(key, x.device_mesh, lambda: _halo_resample_plan(func, bound, x))
     if plan is not None:
-        return halo_resample(local_input(x), plan.geometry, x.device_mesh.get_group(plan.axis), plan.out_spec)
+        return halo_resample(function_input(x), plan.geometry, x.device_mesh.get_group(plan.axis), plan.out_spec)
     out_shape = _global_shape(func, bound, x)
     mode = bound["mode"]
     differentiated = x.requires_grad and torch.is_grad_enabled()
