@@ -38,13 +38,13 @@ from torch.distributed import ProcessGroup
 
 from ..distributed import collectives
 from ..shard_tensor import ShardTensor, ShardTensorSpec
-from ..shard_tensor.conversions import input_gradient, slab_gradient, taken_slab, to_local
+from ..shard_tensor.conversions import differentiable_slab, input_gradient, slab_gradient, slab_of, taken_slab
 from ._local import local_input, sharded_output, wrap_local_as
 from .autocast import lower_precision
 from .halo import gather_window, received_rows, start_edge_exchange, uniform_windows, with_extent
 from .grad_sums import creating_graph
 
-__all__ = ["HaloConvGeometry", "HaloStrip", "halo_conv", "differentiated_rerun", "in_input_dtypes", "saved_input", "slab_of_saved"]
+__all__ = ["HaloConvGeometry", "HaloStrip", "halo_conv", "differentiated_rerun", "in_input_dtypes", "saved_input"]
 
 _CONV_BY_DIMS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
@@ -208,7 +208,7 @@ class _HaloConv(torch.autograd.Function):
         if creating_graph():  # a backward that autograd can differentiate again
             return _differentiable_backward(ctx, grad)
         saved, weight, *strips = ctx.saved_tensors
-        local = slab_of_saved(saved)
+        local = slab_of(saved)
         geometry: HaloConvGeometry = ctx.geometry
         dim = geometry.dim
         extent = local.shape[dim]
@@ -265,8 +265,7 @@ def differentiated_rerun(ctx, grad: torch.Tensor, rerun: Callable[[torch.Tensor,
             "double backward in full precision"
         )
     wanted = [t for t, need in zip((saved, weight), ctx.needs_input_grad[:2]) if need]
-    # a ShardTensor input's slab taken again differentiably, so that second-order gradients reach its producers
-    y = rerun(to_local(saved) if isinstance(saved, ShardTensor) else saved, weight)
+    y = rerun(differentiable_slab(saved), weight)
     grads = iter(torch.autograd.grad(y, wanted, grad, create_graph=True)) if wanted else iter(())
     grad_input = next(grads) if ctx.needs_input_grad[0] else None
     grad_weight = next(grads) if ctx.needs_input_grad[1] else None
@@ -281,11 +280,6 @@ def saved_input(input: torch.Tensor, slab: torch.Tensor, local: torch.Tensor) ->
     itself, a ShardTensor whose slab a double backward takes again differentiably, unless autocast
     cast the slab (then the cast: a double backward refuses it)."""
     return input if local is slab else local
-
-
-def slab_of_saved(saved: torch.Tensor) -> torch.Tensor:
-    """The slab a halo op's backward computes with, from what :func:`saved_input` saved."""
-    return saved._local_tensor if isinstance(saved, ShardTensor) else saved
 
 
 def in_input_dtypes(ctx, grad_input: torch.Tensor | None, grad_weight: torch.Tensor | None, grad_bias: torch.Tensor | None) -> tuple:

@@ -30,12 +30,12 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from ..shard_tensor import ShardTensor, ShardTensorSpec
-from ..shard_tensor.conversions import slab_gradient, taken_slab
+from ..shard_tensor.conversions import slab_gradient, slab_of, taken_slab
 from .grad_sums import creating_graph
 from .halo import exchange_boundary_rows, gather_window, received_rows, uniform_windows, with_extent
 from .autocast import lower_precision
 from ._local import sharded_output
-from .halo_conv import differentiated_rerun, in_input_dtypes, saved_input, slab_of_saved
+from .halo_conv import differentiated_rerun, in_input_dtypes, saved_input
 
 __all__ = ["TransposedHaloGeometry", "eligible_transposed_geometry", "halo_conv_transpose"]
 
@@ -206,7 +206,7 @@ class _HaloConvTranspose(torch.autograd.Function):
         if creating_graph():  # a backward that autograd can differentiate again
             return _differentiable_backward(ctx, grad)
         saved, weight, *halos = ctx.saved_tensors
-        local = slab_of_saved(saved)
+        local = slab_of(saved)
         geometry: TransposedHaloGeometry = ctx.geometry
         dim, before, after = geometry.dim, geometry.before_window(), geometry.after_window()
         need_input, need_weight, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]

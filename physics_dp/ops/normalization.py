@@ -37,7 +37,7 @@ from torch.distributed import ProcessGroup
 from ..distributed import collectives
 from ..distributed.tracing import is_tracing
 from ..shard_tensor import Replicate, ShardTensor, ShardTensorSpec
-from ..shard_tensor.conversions import function_input, function_output, input_gradient, slab_gradient, taken_slab, to_local
+from ..shard_tensor.conversions import differentiable_slab, function_input, function_output, input_gradient, slab_gradient, taken_slab
 from ..shard_tensor.dispatch import run_default
 from ..shard_tensor.spec import CHANNELS_LAST_ORDERS, in_spec_order, inverse_order
 from . import fused_cpu
@@ -667,8 +667,7 @@ def _normalize_again(ctx) -> tuple[torch.Tensor, tuple]:
     parameters' slab applied where the Function took them, differentiably."""
     saved, count, dims = ctx.saved_tensors, ctx.count, ctx.dims
     input, weight, bias = saved[1:] if ctx.on_cpu_kernels else (saved[2], None, None)
-    # a ShardTensor input's slab taken again differentiably, so that second-order gradients reach its producers
-    x = to_local(input) if ctx.input_spec is not None else input
+    x = differentiable_slab(input)
     xd = x.double()  # the forward's output is fp32 for a low-precision slab: see the return
     s1, s2 = sum_shares(torch.stack([xd.sum(dims, keepdim=True), xd.square().sum(dims, keepdim=True)]), ctx.groups)
     mean = s1 / count

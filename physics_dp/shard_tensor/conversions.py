@@ -30,6 +30,8 @@ __all__ = [
     "function_input",
     "taken_slab",
     "input_gradient",
+    "slab_of",
+    "differentiable_slab",
     "slab_gradient",
     "to_local",
     "shared_local",
@@ -208,7 +210,18 @@ def function_input(tensor: ShardTensor) -> torch.Tensor:
 def taken_slab(ctx, value: torch.Tensor) -> torch.Tensor:
     """Inside a Function's forward, the slab of an input passed through :func:`function_input` (noting its spec)."""
     ctx.input_spec = value._spec if isinstance(value, ShardTensor) else None
-    return value._local_tensor if ctx.input_spec is not None else value
+    return slab_of(value)
+
+
+def slab_of(value: torch.Tensor) -> torch.Tensor:
+    """A ShardTensor's slab, or a plain tensor itself: no autograd edge (a Function's forward and backward)."""
+    return value._local_tensor if isinstance(value, ShardTensor) else value
+
+
+def differentiable_slab(value: torch.Tensor) -> torch.Tensor:
+    """A saved Function input's slab for a double backward: through :func:`to_local` for a ShardTensor, so
+    that second-order gradients reach the input's producers (:func:`slab_of` would cut them off)."""
+    return to_local(value) if isinstance(value, ShardTensor) else value
 
 
 def input_gradient(ctx, grad: torch.Tensor | None) -> torch.Tensor | None:
