@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
-from ..shard_tensor.conversions import slab_gradient
+from ..shard_tensor.conversions import input_gradient, slab_gradient, taken_slab
 from ..shard_tensor.spec import ShardTensorSpec
 from ._local import sharded_output
 from .halo import exchange_boundary_rows, received_rows, start_edge_exchange
@@ -147,15 +147,17 @@ def _fold_with_halos(
 class _HaloUnfold(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, local: torch.Tensor, geometry: HaloUnfoldGeometry, group: ProcessGroup, out_spec: ShardTensorSpec | None
+        ctx, input: torch.Tensor, geometry: HaloUnfoldGeometry, group: ProcessGroup, out_spec: ShardTensorSpec | None
     ) -> torch.Tensor:
+        local = taken_slab(ctx, input)
         ctx.geometry, ctx.group, ctx.extents = geometry, group, tuple(local.shape[-2:])
         return _returned(ctx, _unfold_with_halos(local, geometry, group), out_spec)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         grad = _slab_grad(ctx, grad)
-        return _HaloFold.apply(grad.contiguous(), ctx.extents, ctx.geometry, ctx.group, None), None, None, None
+        grad_input = _HaloFold.apply(grad.contiguous(), ctx.extents, ctx.geometry, ctx.group, None)
+        return input_gradient(ctx, grad_input), None, None, None
 
 
 class _HaloFold(torch.autograd.Function):
@@ -185,11 +187,12 @@ def _slab_grad(ctx, grad: torch.Tensor) -> torch.Tensor:
 
 
 def halo_unfold(
-    local: torch.Tensor, geometry: HaloUnfoldGeometry, group: ProcessGroup, out_spec: ShardTensorSpec | None = None
+    input: torch.Tensor, geometry: HaloUnfoldGeometry, group: ProcessGroup, out_spec: ShardTensorSpec | None = None
 ) -> torch.Tensor:
-    """``F.unfold`` of the global tensor, this rank's positions (…, C K, ho wo), from its slab (…, C, H, W):
-    the slab, or the ShardTensor of ``out_spec`` where given."""
-    return _HaloUnfold.apply(local, geometry, group, out_spec)
+    """``F.unfold`` of the global tensor, this rank's positions (…, C K, ho wo), from its slab (…, C, H, W)
+    or the ShardTensor itself (``conversions.function_input``): the slab, or the ShardTensor of
+    ``out_spec`` where given."""
+    return _HaloUnfold.apply(input, geometry, group, out_spec)
 
 
 def halo_fold(

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from ..shard_tensor import Replicate, Shard, ShardTensor, ShardTensorSpec
+from ..shard_tensor.conversions import function_input
 from ..shard_tensor.dispatch import run_default
 from ..shard_tensor.fallback import propagate_and_run
 from ._args import bind, per_dim, single_device_shape
@@ -148,7 +149,7 @@ def _unfold(*args: Any, **kwargs: Any) -> ShardTensor:
     x = bound["input"]
     plan = _cached_plan(F.unfold, bound, _halo_unfold_plan)
     if plan is not None:
-        return halo_unfold(local_input(x), plan.geometry, x.device_mesh.get_group(plan.axis), plan.out_spec)
+        return halo_unfold(function_input(x), plan.geometry, x.device_mesh.get_group(plan.axis), plan.out_spec)
     stencils = _unfold_stencils(bound)
     blocks, axis_sizes = _unfold_local(local_input(x), x, stencils)
     spec, flat = _unfold_specs(x, stencils, axis_sizes)
